@@ -1,0 +1,1 @@
+"""Triton kernels (see issue: Triton kernels). Placeholder until implemented."""
