@@ -1,1 +1,96 @@
-"""Triton kernels (see issue: Triton kernels). Placeholder until implemented."""
+"""Triton backend: `store_kvcache` and `paged_attention` with the layout of `kernels/torch_ops.py`.
+
+Triton is imported on first use, never at package import, because `TRITON_INTERPRET` must be set before the kernels
+are decorated. Without CUDA the interpreter is switched on here (unless the caller chose), so the same kernels run
+(slowly) on CPU tensors for tests.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["store_kvcache", "paged_attention", "interpreted"]
+
+_K = None  # the kernels module, once loaded
+
+
+def _load():
+    global _K
+    if _K is None:
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        import kernels.triton._kernels as k
+        _K = k
+    return _K
+
+
+def interpreted() -> bool:
+    """True when the kernels run under the Triton CPU interpreter."""
+    _load()
+    import triton
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's keys/values into their cache slots (slot -1 is skipped); one program per token."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    k = _load()
+    k._store_kvcache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_P=_pow2(num_kv_heads, 1), HEAD_DIM_P=_pow2(head_dim, 1), INTERP=interpreted(),
+    )
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                    out: torch.Tensor | None = None, *, block_m: int | None = None,
+                    tile: int | None = None) -> torch.Tensor:
+    """Causal attention of a mixed batch (prefill chunks + decodes) over the paged KV cache, in one launch.
+
+    Grid: (query blocks of all sequences, kv heads). `block_m` (rows per program = query tokens x GQA group) and
+    `tile` (keys per inner step) are tuning knobs, exposed so tests can force several blocks per sequence.
+    Reads no tensor values on the host, so it never synchronises with the device.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    k = _load()
+    interp = interpreted()
+    decode_only = num_tokens == num_seqs  # every sequence has >= 1 query token, so this is known from shapes
+    if block_m is None:
+        block_m = _pow2(group) if decode_only else max(64, _pow2(group))
+    if block_m < group or block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m} must be a power of two >= max(16, group={group})")
+    block_q = block_m // group
+    if tile is None:
+        tile = 64 if interp else 32
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile={tile} must be a power of two >= 16")
+    cast_fp32 = interp or q.dtype == torch.float32
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    k._unified_attention_kernel[grid](
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
+        float(scale) * 1.4426950408889634, num_seqs,
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=_pow2(head_dim), GROUP=group,
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
+        CAST_FP32=cast_fp32, DOT_PRECISION="ieee" if cast_fp32 else "tf32", INTERP=interp,
+    )
+    return out

@@ -1,0 +1,149 @@
+"""Triton KV-store and unified paged-attention kernels against the torch reference (kernels/torch_ops.py).
+
+On CPU the kernels run under the Triton interpreter (set here, before anything decorates them; kernels.triton
+imports triton lazily). `RTSERVE_TEST_DEVICE=cuda` runs the same tests compiled on a GPU (bench/gpu_check.sh).
+Tolerances are against an fp32 reference computed from the same (already rounded) inputs:
+fp32 atol=rtol=1e-5; fp16 atol=rtol=2e-3; bf16 atol=rtol=1e-2 (output rounding + P cast to 16 bit on GPU).
+"""
+from __future__ import annotations
+
+import os
+
+DEVICE = os.environ.get("RTSERVE_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import torch_ops  # noqa: E402
+from kernels import triton as triton_ops  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# (query tokens, context length including them) per sequence
+SCENARIOS = {
+    "decode": [(1, 17), (1, 1), (1, 40), (1, 32)],
+    "prefill": [(7, 7), (20, 20), (16, 16)],
+    "mixed": [(1, 33), (9, 9), (1, 5), (13, 45)],
+    "prefix_hit": [(3, 50), (18, 35)],  # context already cached before the query chunk
+}
+
+
+def test_runs_where_expected():
+    assert triton_ops.interpreted() == (DEVICE == "cpu")
+
+
+def _batch(specs, block_size, num_kv_heads, group, head_dim, dtype, seed=0):
+    """Paged cache filled through the reference store, physical blocks shuffled, block tables padded with -1."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-c // block_size) for _, c in specs) + 3
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(-(-c // block_size) for _, c in specs) + 1
+    block_tables = torch.full((len(specs), max_blocks), -1, dtype=torch.int32)
+    for i, (_, ctx) in enumerate(specs):
+        for j in range(-(-ctx // block_size)):
+            block_tables[i, j] = free.pop()
+        k = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
+        v = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
+        slots = torch.tensor([int(block_tables[i, p // block_size]) * block_size + p % block_size for p in range(ctx)])
+        torch_ops.store_kvcache(k, v, k_cache, v_cache, slots)
+    q_lens = torch.tensor([n for n, _ in specs])
+    cu = torch.zeros(len(specs) + 1, dtype=torch.int32)
+    cu[1:] = q_lens.cumsum(0)
+    seq_lens = torch.tensor([c for _, c in specs], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), num_kv_heads * group, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, cu, seq_lens, block_tables
+
+
+def _reference(q, k_cache, v_cache, cu, seq_lens, block_tables, scale):
+    f = lambda t: t.cpu().float()  # noqa: E731
+    return torch_ops.paged_attention(f(q), f(k_cache), f(v_cache), cu.cpu(), seq_lens.cpu(), block_tables.cpu(), scale)
+
+
+def _on(*ts):
+    return [t.to(DEVICE) for t in ts]
+
+
+def _check(out, ref, dtype):
+    assert out.dtype == dtype
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.cpu().float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("scenario", SCENARIOS.keys())
+def test_paged_attention_matches_reference(scenario, block_size, group, dtype):
+    head_dim = 32 if group == 1 else 16
+    batch = _batch(SCENARIOS[scenario], block_size, 2, group, head_dim, dtype)
+    scale = head_dim ** -0.5
+    ref = _reference(*batch, scale)
+    out = triton_ops.paged_attention(*_on(*batch), scale)
+    _check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("block_m,tile", [(16, 16), (16, 64), (32, 32), (64, 16)])
+@pytest.mark.parametrize("group", [1, 3])
+def test_paged_attention_tilings(block_m, tile, group):
+    """Several query blocks per sequence (binary search over cu_seqlens_q) and key tiles smaller / larger than a
+    cache block: every tiling gives the same answer."""
+    specs = SCENARIOS["mixed"] + SCENARIOS["prefix_hit"]
+    batch = _batch(specs, 16, 2, group, 16, torch.float32, seed=1)
+    ref = _reference(*batch, 0.25)
+    out = triton_ops.paged_attention(*_on(*batch), 0.25, block_m=block_m, tile=tile)
+    _check(out, ref, torch.float32)
+
+
+def test_paged_attention_strided_views_and_out():
+    """q sliced out of a fused qkv projection (non-contiguous) and `out` a view: strides are honoured and only the
+    query rows are written."""
+    specs = SCENARIOS["mixed"]
+    q, k_cache, v_cache, cu, seq_lens, block_tables = _batch(specs, 16, 2, 3, 16, torch.float32, seed=2)
+    qkv = torch.randn(q.shape[0], 10, 16)
+    qkv[:, :6] = q
+    out_buf = torch.full((q.shape[0], 6, 20), 7.0)
+    q_view, out_view = qkv[:, :6], out_buf[:, :, 2:18]
+    ref = _reference(q, k_cache, v_cache, cu, seq_lens, block_tables, 0.25)
+    qkv, out_buf, k_cache, v_cache, cu, seq_lens, block_tables = _on(qkv, out_buf, k_cache, v_cache, cu, seq_lens,
+                                                                     block_tables)
+    q_view, out_view = qkv[:, :6], out_buf[:, :, 2:18]
+    res = triton_ops.paged_attention(q_view, k_cache, v_cache, cu, seq_lens, block_tables, 0.25, out=out_view)
+    assert res.data_ptr() == out_view.data_ptr()
+    _check(out_view, ref, torch.float32)
+    assert bool((out_buf[:, :, :2] == 7.0).all()) and bool((out_buf[:, :, 18:] == 7.0).all())
+
+
+@pytest.mark.parametrize("cache_dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_store_kvcache_matches_reference(cache_dtype):
+    """Strided fp32 keys/values scattered into a cache of another dtype; slot -1 leaves the cache untouched."""
+    g = torch.Generator().manual_seed(3)
+    num_blocks, block_size, kvh, d = 5, 16, 3, 24  # head_dim and head count not powers of two: masked lanes
+    k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(cache_dtype)
+    kv = torch.randn(11, 2 * kvh, d, generator=g)
+    key, value = kv[:, :kvh], kv[:, kvh:]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:11]
+    slots[[2, 7]] = -1
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    torch_ops.store_kvcache(key, value, ref_k, ref_v, slots)
+    kv, k_cache, v_cache, slots = _on(kv, k_cache, v_cache, slots)
+    triton_ops.store_kvcache(kv[:, :kvh], kv[:, kvh:], k_cache, v_cache, slots)
+    assert torch.equal(k_cache.cpu(), ref_k) and torch.equal(v_cache.cpu(), ref_v)
+
+
+def test_backend_switch_dispatches_to_triton():
+    """kernels.set_backend("triton") routes the public ops to these kernels."""
+    specs = SCENARIOS["mixed"]
+    batch = _on(*_batch(specs, 16, 2, 1, 16, torch.float32, seed=4))
+    try:
+        kernels.set_backend("triton")
+        out = kernels.paged_attention(*batch, 0.25)
+    finally:
+        kernels.set_backend(os.environ.get("RTSERVE_ATTENTION_BACKEND") or None)
+    torch.testing.assert_close(out, triton_ops.paged_attention(*batch, 0.25), atol=0, rtol=0)
