@@ -62,8 +62,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = _gather(v_cache, block_tables[i], ctx).to(q.dtype).transpose(0, 1)
         qi = q[start:start + n].transpose(0, 1)                                     # [h, n, d]
         # query j sits at position ctx - n + j; it sees keys at positions <= that.
-        qpos = torch.arange(ctx - n, ctx).unsqueeze(1)
-        mask = torch.arange(ctx).unsqueeze(0) <= qpos                               # [n, ctx]
+        qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos                               # [n, ctx]
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[start:start + n] = o.transpose(0, 1)
     return out
@@ -81,8 +81,8 @@ def _decode_batch(q, k_cache, v_cache, cu, lens, block_tables, decode, scale, gr
     v = v_cache[bt].view(nd, nb * block_size, num_kv_heads, head_dim).to(q.dtype)
     qd = q[tok].view(nd, num_kv_heads, group, head_dim)                             # [nd, kvh, g, d]
     scores = torch.einsum("bhgd,blhd->bhgl", qd, k).float() * scale
-    ctx = torch.tensor([lens[i] for i in decode])
-    invalid = torch.arange(nb * block_size).unsqueeze(0) >= ctx.unsqueeze(1)       # [nd, L]
+    ctx = torch.tensor([lens[i] for i in decode], device=q.device)
+    invalid = torch.arange(nb * block_size, device=q.device).unsqueeze(0) >= ctx.unsqueeze(1)       # [nd, L]
     scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
     probs = scores.softmax(-1).to(q.dtype)
     o = torch.einsum("bhgl,blhd->bhgd", probs, v)
