@@ -13,23 +13,25 @@ import torch
 __all__ = ["store_kvcache", "paged_attention", "interpreted"]
 
 _K = None  # the kernels module, once loaded
+_INTERP = False
 
 
 def _load():
-    global _K
+    global _K, _INTERP
     if _K is None:
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")
         import kernels.triton._kernels as k
+        from triton.runtime.interpreter import InterpretedFunction
+        _INTERP = isinstance(k._unified_attention_kernel, InterpretedFunction)
         _K = k
     return _K
 
 
 def interpreted() -> bool:
-    """True when the kernels run under the Triton CPU interpreter."""
+    """True when the kernels run under the Triton CPU interpreter (decided when they were decorated)."""
     _load()
-    import triton
-    return bool(triton.knobs.runtime.interpret)
+    return _INTERP
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -47,7 +49,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_P=_pow2(num_kv_heads, 1), HEAD_DIM_P=_pow2(head_dim, 1), INTERP=interpreted(),
+        HEADS_P=_pow2(num_kv_heads, 1), HEAD_DIM_P=_pow2(head_dim, 1), INTERP=_INTERP,
     )
 
 
@@ -72,7 +74,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_tokens == 0:
         return out
     k = _load()
-    interp = interpreted()
+    interp = _INTERP
     decode_only = num_tokens == num_seqs  # every sequence has >= 1 query token, so this is known from shapes
     if block_m is None:
         block_m = _pow2(group) if decode_only else max(64, _pow2(group))

@@ -57,7 +57,7 @@ def _find_seq_idx(cu_q_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     Sequence s owns the blocks from cu_q[s] // BLOCK_Q + s on (an upper bound on the blocks of the sequences before
     it), so the owner is the largest s whose start <= q_block: a binary search, no host-side map and no host sync.
     """
-    lo = 0
+    lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
