@@ -1,0 +1,16 @@
+"""rtserve's inference engine: paged KV cache, continuous batching, prefix caching (see docs/engine-api.md)."""
+from engine.config import EngineArgs, parse_size
+from engine.errors import EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from engine.llm_engine import LLM, CompletionOutput, LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+def __getattr__(name):
+    if name == "AsyncEngine":   # lazy: keeps `import engine` light for tools that only need the offline API
+        from engine.async_engine import AsyncEngine
+        return AsyncEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput",
+           "EngineError", "InvalidRequestError", "ModelLoadError", "PromptTooLongError", "parse_size"]

@@ -1,0 +1,144 @@
+"""AsyncEngine: the engine loop in its own thread, streams delivered to asyncio consumers.
+
+Model compute never runs on the event loop. Requests enter through a thread-safe command queue; each step's outputs go
+back to each consumer's asyncio.Queue with one `call_soon_threadsafe` per event loop per step. Leaving the `async for`
+early (break, cancel, disconnect) aborts the request, which frees its blocks at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections import defaultdict
+from typing import AsyncIterator
+
+from engine.errors import EngineDeadError
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(model=model, **engine_args)
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rtserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API ---------------------------------------------------------------------------------------------
+    async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0, cache_salt: str | None = None,
+                       session_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self._stopped:
+            raise EngineDeadError(f"engine is not running: {self._error or 'shut down'}")
+        request_id = request_id or f"areq-{next(self._ids)}"
+        self.engine.validate(list(prompt_token_ids), params)     # raises before the first yield
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        self._submit(("add", request_id, list(prompt_token_ids), params, priority, cache_salt, session_id))
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    break
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def release_session(self, session_id: str) -> None:
+        self._submit(("release", session_id))
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- engine thread ------------------------------------------------------------------------------------------
+    def _submit(self, cmd: tuple) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, ids, params, priority, salt, session = cmd
+                if rid not in self._streams:          # consumer already gone
+                    continue
+                try:
+                    self.engine.add_request(ids, params, request_id=rid, priority=priority, cache_salt=salt,
+                                            session_id=session)
+                except Exception as e:                # validation races (e.g. duplicate id): fail that stream only
+                    self._deliver([(rid, e)])
+            elif kind == "abort":
+                out = self.engine.abort_request(cmd[1])
+                if out is not None:
+                    self._deliver([(cmd[1], out)])
+            elif kind == "release":
+                self.engine.release_session(cmd[1])
+
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for rid, out in items:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                by_loop[stream[0]].append((stream[1], out))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:                      # that event loop is closed; its requests are abandoned
+                for q, out in batch:
+                    rid = getattr(out, "request_id", None)
+                    if rid is not None:
+                        self.engine.abort_request(rid)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:                    # a bug must not hang every consumer: fail what is in flight
+                self._error = e
+                failed = list(self.engine.requests)
+                for rid in failed:
+                    self.engine.abort_request(rid)
+                self._deliver([(rid, EngineDeadError(f"engine step failed: {e!r}")) for rid in failed])
+                continue
+            if outputs:
+                self._deliver([(o.request_id, o) for o in outputs])
+        # shutting down: fail whoever still waits
+        self._deliver([(rid, EngineDeadError("engine shut down")) for rid in list(self._streams)])
+
+
+def _put_all(batch) -> None:
+    for q, out in batch:
+        q.put_nowait(out)

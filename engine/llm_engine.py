@@ -1,0 +1,253 @@
+"""The engine step and the offline `LLM` API.
+
+`LLMEngine.step()` = schedule → one forward for the mixed batch → sample → detokenize → finished requests release (or
+pin) their blocks. It is synchronous and single-threaded; `AsyncEngine` runs it in a thread of its own.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoTokenizer
+
+import kernels
+from engine.block_manager import BlockManager
+from engine.config import EngineArgs
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.model_runner import ModelRunner
+from engine.models.loader import resolve_model_dir
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: the delta, and totals so far."""
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    ttft_s: float = 0.0        # arrival -> first token
+    decode_s: float = 0.0      # first token -> finish
+    logprobs: list = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, **engine_args):
+        args = EngineArgs.from_kwargs(**engine_args)
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        if args.attention_backend:
+            kernels.set_backend(args.attention_backend)
+        self.model_dir = resolve_model_dir(args.model)
+        self.model_name = args.model or "SmolLM2-135M-Instruct"
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.runner = ModelRunner(self.model_dir, args.dtype, args.device, args.block_size, args.kv_cache_memory)
+        cfg = self.runner.config
+        self.max_model_len = min(args.max_model_len or cfg.get("max_position_embeddings", 2048),
+                                 cfg.get("max_position_embeddings", 1 << 30))
+        self.vocab_size = cfg["vocab_size"]
+        eos = cfg.get("eos_token_id", self.tokenizer.eos_token_id)
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        num_blocks = self.runner.num_blocks
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                          max_pinned_blocks=int(num_blocks * args.pinned_blocks_fraction))
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.num_steps = 0
+        self.generated_tokens_total = 0
+        self.prompt_tokens_total = 0
+        self.peak_kv_waste = (0, 0)            # (allocated slots, stored tokens) at the step with most allocated slots
+        self._ids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}", param="params")
+        params.validate()
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt has token ids outside [0, {self.vocab_size})", param="prompt")
+        n = len(prompt_token_ids)
+        if n + 1 > self.max_model_len:
+            raise PromptTooLongError(f"prompt has {n} tokens; the model context is {self.max_model_len} "
+                                     f"(including at least one output token)", param="prompt")
+        pool = self.block_manager.num_blocks * self.block_manager.block_size
+        if n + 1 > pool:
+            raise PromptTooLongError(f"prompt has {n} tokens but the whole KV cache holds {pool}; "
+                                     f"raise --kv-cache-memory", param="prompt")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0, cache_salt: str | None = None, session_id: str | None = None) -> str:
+        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        self.validate(prompt_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
+        req = Request(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt, session_id=session_id)
+        self.requests[request_id] = req
+        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        self.scheduler.add(req)
+        self.prompt_tokens_total += len(prompt_ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(req, [], "", None)
+
+    def release_session(self, session_id: str) -> None:
+        self.block_manager.unpin(session_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        for req in sched.preempted:            # requests the pool can no longer hold at all
+            if req.status.finished:
+                self._finish(req, req.status)
+                outputs.append(self._output(req, [], self.detoks.get(req.request_id).flush()
+                                            if req.request_id in self.detoks else "", None))
+        if not sched.scheduled:
+            return outputs
+        self.num_steps += 1
+        self._track_waste()
+        logits, rows = self.runner.execute(sched.scheduled)
+        for s in sched.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        sampled_reqs = [sched.scheduled[i].request for i in rows]
+        tokens, logprobs = self.sampler(logits, sampled_reqs) if rows else ([], None)
+        now = time.monotonic()
+        for s in sched.scheduled:
+            self.block_manager.cache_full_blocks(s.request)
+        for j, req in enumerate(sampled_reqs):
+            tok = tokens[j]
+            req.token_ids.append(tok)
+            self.generated_tokens_total += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            detok = self.detoks[req.request_id]
+            status = self._check_stop(req, tok)
+            delta = detok.add(tok) if not (status and tok in self._stop_ids(req)) else ""
+            if detok.stopped_by is not None:
+                status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = detok.stopped_by
+            if status is not None:
+                delta += detok.flush()
+                self._finish(req, status)
+            outputs.append(self._output(req, [tok], delta, logprobs[j] if logprobs else None))
+        return outputs
+
+    def _stop_ids(self, req: Request) -> set[int]:
+        ids = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            ids |= self.eos_token_ids
+        return ids
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        if tok in self._stop_ids(req):
+            req.stop_reason = tok
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.finish_time = time.monotonic()
+        if req.session_id is not None and status != RequestStatus.FINISHED_ABORTED:
+            self.block_manager.pin(req.session_id, req)
+        self.scheduler.finish(req, status)
+        self.requests.pop(req.request_id, None)
+
+    def _output(self, req: Request, new_ids: list[int], delta: str, logprobs) -> RequestOutput:
+        finished = req.status.finished
+        if finished:
+            self.detoks.pop(req.request_id, None)
+        return RequestOutput(req.request_id, new_ids, delta, finished, req.status.value if finished else None,
+                             req.num_prompt_tokens, max(req.num_cached_tokens, 0), req.num_output_tokens,
+                             [logprobs] if logprobs is not None else None)
+
+    def _track_waste(self) -> None:
+        running = self.scheduler.running
+        allocated = sum(len(r.block_table) for r in running) * self.block_manager.block_size
+        if allocated > self.peak_kv_waste[0]:
+            # tokens whose KV will be stored once this step runs
+            stored = sum(min(r.num_tokens, len(r.block_table) * self.block_manager.block_size) for r in running)
+            self.peak_kv_waste = (allocated, stored)
+
+    def stats(self) -> dict:
+        s = self.block_manager.stats()
+        s.update(requests_running=len(self.scheduler.running), requests_waiting=self.scheduler.num_waiting,
+                 generated_tokens_total=self.generated_tokens_total, prompt_tokens_total=self.prompt_tokens_total,
+                 num_steps=self.num_steps, num_preemptions=self.scheduler.num_preemptions)
+        return s
+
+
+class LLM:
+    """Offline batch generation: `LLM().generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(model=model, **engine_args)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 priority: list[int] | None = None, use_tqdm: bool = False) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError("need one SamplingParams per prompt", param="params")
+        results: dict[str, CompletionOutput] = {}
+        order = []
+        arrival = {}
+        for i, (p, sp) in enumerate(zip(prompts, params_list)):
+            rid = self.engine.add_request(p, sp, priority=priority[i] if priority else 0)
+            req = self.engine.requests[rid]
+            results[rid] = CompletionOutput(rid, list(req.prompt_token_ids))
+            arrival[rid] = req
+            order.append(rid)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                res = results[out.request_id]
+                res.token_ids.extend(out.new_token_ids)
+                res.text += out.text_delta
+                if out.logprobs:
+                    res.logprobs.extend(out.logprobs)
+                if out.finished:
+                    req = arrival[out.request_id]
+                    res.finish_reason = out.finish_reason
+                    res.num_cached_tokens = out.num_cached_tokens
+                    first = req.first_token_time or req.finish_time
+                    res.ttft_s = first - req.arrival_time
+                    res.decode_s = req.finish_time - first
+        return [results[r] for r in order]

@@ -1,0 +1,106 @@
+"""Turns one scheduler step into one forward pass: flatten, run, pick the rows that sample.
+
+The runner owns the model and the KV cache tensor. Each step it builds vLLM's flat inputs (`input_ids`, `positions`,
+`slot_mapping`, `cu_seqlens_q`, `seq_lens`, `block_tables`), runs the model once for the whole mixed batch, and computes
+logits only at the last position of requests whose chunk reaches their end.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from engine.errors import ModelLoadError
+from engine.models.llama import AttentionMetadata, LlamaForCausalLM, rope_inv_freq
+from engine.models.loader import check_architecture
+from engine.scheduler import ScheduledRequest
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    config = check_architecture(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no safetensors weights in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    model.load_hf_state_dict(state)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.inv_freq = rope_inv_freq(config, model.head_dim).to(device)  # rope angles stay fp32 whatever the dtype
+    return model
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, dtype: str, device: str, block_size: int, kv_cache_memory: int):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(DTYPES)}")
+        self.dtype = DTYPES[dtype]
+        self.device = torch.device(device)
+        t0 = time.perf_counter()
+        self.model = load_model(model_dir, self.dtype, self.device)
+        self.load_seconds = time.perf_counter() - t0
+        self.config = self.model.config
+        self.block_size = block_size
+        num_layers = len(self.model.layers)
+        per_block = 2 * num_layers * block_size * self.model.num_kv_heads * self.model.head_dim * self.dtype.itemsize
+        self.num_blocks = int(kv_cache_memory // per_block)
+        if self.num_blocks < 2:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds fewer than 2 blocks of {per_block} bytes")
+        self.kv_cache = torch.zeros(num_layers, 2, self.num_blocks, block_size, self.model.num_kv_heads,
+                                    self.model.head_dim, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
+        """Run one step. Returns fp32 logits for the sampling rows and the indices (into `scheduled`) they belong to."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        logit_rows: list[int] = []
+        sampling: list[int] = []
+        max_blocks = 0
+        for i, s in enumerate(scheduled):
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            input_ids.extend(req.token_ids[start:start + n])
+            pos = np.arange(start, start + n)
+            positions.append(pos)
+            table = np.asarray(req.block_table, dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            cu.append(cu[-1] + n)
+            seq_lens.append(start + n)
+            max_blocks = max(max_blocks, len(req.block_table))
+            if s.samples:
+                logit_rows.append(cu[-1] - 1)
+                sampling.append(i)
+        tables = np.full((len(scheduled), max_blocks), -1, dtype=np.int32)
+        for i, s in enumerate(scheduled):
+            tables[i, :len(s.request.block_table)] = s.request.block_table
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+        )
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                            torch.from_numpy(np.concatenate(positions)).to(dev), meta, self.kv_cache)
+        if not logit_rows:
+            return torch.empty(0, self.config["vocab_size"]), []
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+        return logits.cpu(), sampling
+
+
+def model_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())

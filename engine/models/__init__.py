@@ -1,0 +1,1 @@
+"""Our own forward passes (attention through kernels/), plus weight loading."""

@@ -1,0 +1,168 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+One forward call serves a whole mixed batch: tokens of all sequences are flattened into one [num_tokens, hidden] tensor, so
+every GEMM sees all of them at once; only attention needs to know where sequences start (`AttentionMetadata`). q/k/v and
+gate/up projections are fused into one GEMM each. RMSNorm is computed in fp32 exactly as HF does, so fp32 runs match HF.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor     # [num_tokens] int64
+    cu_seqlens_q: torch.Tensor     # [B + 1] int32
+    seq_lens: torch.Tensor         # [B] int32, including this step's tokens
+    block_tables: torch.Tensor     # [B, max_blocks] int32, -1 padded
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":   # Llama 3.x frequency-dependent scaling
+        factor, lo, hi = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_ctx = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif rope_type != "default":
+        raise NotImplementedError(f"rope type {rope_type!r}")
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim] (HF's rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads", self.num_heads)
+        self.head_dim = config.get("head_dim") or hidden // self.num_heads
+        bias = bool(config.get("attention_bias", config.get("model_type") == "qwen2"))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                    self.scale)
+        return self.o_proj(o.view(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        self.inter = config["intermediate_size"]
+        self.gate_up_proj = nn.Linear(config["hidden_size"], 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, config["hidden_size"], bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config["num_hidden_layers"]))
+        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
+        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        attn = self.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.register_buffer("inv_freq", rope_inv_freq(config, attn.head_dim), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Returns final hidden states [num_tokens, hidden]; kv_cache is [layers, 2, blocks, block_size, kv_heads, d]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Map HF parameter names onto ours, fusing q/k/v and gate/up; every parameter must be filled."""
+        ours = {}
+        for name, t in state.items():
+            name = name.removeprefix("model.")
+            ours[name] = t
+        n = len(self.layers)
+        for i in range(n):
+            p = f"layers.{i}."
+            a = p + "self_attn."
+            ours[a + "qkv_proj.weight"] = torch.cat([ours.pop(a + f"{x}_proj.weight") for x in "qkv"])
+            if self.layers[i].self_attn.qkv_proj.bias is not None:
+                ours[a + "qkv_proj.bias"] = torch.cat([ours.pop(a + f"{x}_proj.bias") for x in "qkv"])
+            m = p + "mlp."
+            ours[m + "gate_up_proj.weight"] = torch.cat([ours.pop(m + "gate_proj.weight"), ours.pop(m + "up_proj.weight")])
+        if "lm_head.weight" not in ours:
+            ours["lm_head.weight"] = ours["embed_tokens.weight"]   # tied embeddings
+        for key in [k for k in ours if k.endswith("rotary_emb.inv_freq")]:
+            ours.pop(key)
+        missing, unexpected = self.load_state_dict(ours, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"weight mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -1,0 +1,70 @@
+"""A request as the scheduler sees it: token ids, how many of them have KV in the cache, and where that KV lives."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0                      # lower runs first (realtime 0, HTTP batch 1)
+    cache_salt: str | None = None          # isolates tenants in the prefix cache
+    session_id: str | None = None          # blocks stay pinned for this session after finishing
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)      # prompt + output; the scheduler's only notion of work
+    num_computed_tokens: int = 0           # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # chained hashes of the full blocks of token_ids
+    status: RequestStatus = RequestStatus.WAITING
+    num_cached_tokens: int = -1            # prefix-cache hit at first scheduling (-1: not scheduled yet)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)

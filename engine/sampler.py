@@ -1,0 +1,83 @@
+"""Batched sampling with per-request settings.
+
+Logits arrive as one fp32 [B, vocab] tensor. Penalties are applied per row (only rows that ask for them), then temperature,
+top-k, top-p and min-p are applied as masks over the whole batch, and each row draws with its own generator when it has a
+seed, so a seeded request gives the same tokens whatever else shares its batch (and after a preemption).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+
+
+def apply_penalties(logits: torch.Tensor, req: Request) -> None:
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        ids = torch.tensor(sorted(set(req.token_ids)), dtype=torch.long)
+        vals = logits[ids]
+        logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if p.frequency_penalty or p.presence_penalty:
+        out = req.output_token_ids
+        if out:
+            ids, counts = torch.tensor(out, dtype=torch.long).unique(return_counts=True)
+            logits[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+
+
+def top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tokens each row's top-k / top-p / min-p would drop. top_k <= 0 means off."""
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    # top-p: keep the smallest prefix whose mass reaches p (the token that crosses p is kept)
+    cum_before = probs.cumsum(-1) - probs
+    drop |= cum_before >= top_p.unsqueeze(1)
+    # min-p: drop tokens below min_p * p(max)
+    drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
+
+
+class Sampler:
+    def __init__(self):
+        self.generator = torch.Generator().manual_seed(torch.seed() % (2**63))
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list | None]:
+        """Returns one token per row, and per row (token logprob, top-n list) when any request asked for logprobs."""
+        raw = logits
+        want_logprobs = any(r.params.logprobs is not None for r in requests)
+        logprobs = raw.log_softmax(-1) if want_logprobs else None
+        logits = logits.clone() if any(r.params.needs_penalties for r in requests) else logits
+        for row, r in enumerate(requests):
+            if r.params.needs_penalties:
+                apply_penalties(logits[row], r)
+        tokens = logits.argmax(-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows)
+            sub = logits[rows] / torch.tensor([requests[i].params.temperature for i in random_rows]).unsqueeze(1)
+            ps = [requests[i].params for i in random_rows]
+            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in ps):
+                sub = top_k_top_p_min_p(sub, torch.tensor([p.top_k for p in ps]),
+                                        torch.tensor([p.top_p for p in ps]), torch.tensor([p.min_p for p in ps]))
+            probs = sub.softmax(-1)
+            for j, i in enumerate(random_rows):
+                gen = requests[i].generator or self.generator
+                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        token_list = tokens.tolist()
+        lp_out = None
+        if want_logprobs:
+            lp_out = []
+            for row, r in enumerate(requests):
+                n = r.params.logprobs
+                if n is None:
+                    lp_out.append(None)
+                    continue
+                top = logprobs[row].topk(n) if n > 0 else None
+                lp_out.append((float(logprobs[row, token_list[row]]),
+                               list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []))
+        return token_list, lp_out
