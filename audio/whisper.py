@@ -341,10 +341,18 @@ _shared: WhisperModel | None = None
 _shared_lock = threading.Lock()
 
 
+def default_dtype() -> torch.dtype:
+    """bf16 (fast on AMX CPUs and GPUs) unless ``RTSERVE_WHISPER_DTYPE=float32`` asks for exact."""
+    name = os.environ.get("RTSERVE_WHISPER_DTYPE", "bfloat16")
+    if name not in ("bfloat16", "float32", "float16"):
+        raise WhisperLoadError(f"RTSERVE_WHISPER_DTYPE must be bfloat16, float32 or float16, got {name!r}")
+    return getattr(torch, name)
+
+
 def get_whisper() -> WhisperModel:
     """The process-wide Whisper model (loaded once, thread-safe)."""
     global _shared
     with _shared_lock:
         if _shared is None:
-            _shared = WhisperModel.load()
+            _shared = WhisperModel.load(dtype=default_dtype())
         return _shared

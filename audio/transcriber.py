@@ -1,0 +1,268 @@
+"""``Transcriber``: one shared Whisper worker thread for all sessions, like an inference engine.
+
+Sessions submit 16 kHz segments from the event loop; the worker takes everything that is ready,
+computes log-mel + encoder for the whole batch at once, decodes the batch greedily, and streams
+append-only text deltas back to each request's asyncio queue.  Segments longer than 30 s are
+transcribed window by window (each window a row of a later batch).  A consumer that goes away
+(cancelled, ``aclose``, garbage collected) flags its request, and the worker drops the row at the
+next decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .whisper import SAMPLE_RATE, WINDOW_SAMPLES, WhisperModel, get_whisper
+
+log = logging.getLogger(__name__)
+
+MIN_SAMPLES = SAMPLE_RATE // 100  # 10 ms: anything shorter is not a segment
+_DONE = object()
+
+
+class TranscriptionError(RuntimeError):
+    """A transcription request failed (bad input, model error, worker stopped)."""
+
+    code = "transcription_failed"
+
+
+@dataclass(slots=True)
+class TranscriberStats:
+    """What the worker has done; ``rtf`` = compute seconds per second of audio."""
+
+    requests: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    batches: int = 0
+    max_batch: int = 0
+    batch_sizes: Counter = field(default_factory=Counter)
+    encoder_seconds: float = 0.0
+    decoder_seconds: float = 0.0
+    audio_seconds: float = 0.0
+
+    @property
+    def rtf(self) -> float:
+        return (self.encoder_seconds + self.decoder_seconds) / self.audio_seconds if self.audio_seconds else 0.0
+
+    def snapshot(self) -> dict:
+        return {
+            "requests": self.requests, "completed": self.completed, "cancelled": self.cancelled,
+            "failed": self.failed, "batches": self.batches, "max_batch": self.max_batch,
+            "batch_sizes": dict(sorted(self.batch_sizes.items())),
+            "encoder_seconds": round(self.encoder_seconds, 4), "decoder_seconds": round(self.decoder_seconds, 4),
+            "audio_seconds": round(self.audio_seconds, 3), "rtf": round(self.rtf, 4),
+        }
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    id: int
+    windows: list[np.ndarray]
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    window: int = 0
+    text_done: str = ""  # transcript of finished windows
+    emitted: str = ""  # text already sent as deltas
+    cancelled: bool = False
+    finished: bool = False
+
+    def send(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            self.cancelled = True
+
+
+class TranscriptionStream:
+    """Async iterator of append-only text deltas; ``text`` is the full transcript once done."""
+
+    def __init__(self, req: _Request) -> None:
+        self._req = req
+        self.text: str | None = None
+
+    def __aiter__(self) -> "TranscriptionStream":
+        return self
+
+    async def __anext__(self) -> str:
+        if self.text is not None:
+            raise StopAsyncIteration
+        try:
+            item = await self._req.queue.get()
+        except BaseException:
+            self._req.cancelled = True  # CancelledError and friends: drop the request
+            raise
+        if item is _DONE:
+            raise StopAsyncIteration
+        if isinstance(item, tuple):  # ("final", text)
+            self.text = item[1]
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.text = ""
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self._req.cancelled = True
+
+    async def result(self) -> str:
+        """Drain the deltas and return the full transcript."""
+        async for _ in self:
+            pass
+        return self.text or ""
+
+    def __del__(self) -> None:
+        self._req.cancelled = True
+
+
+class Transcriber:
+    """Shared batched Whisper worker.  Create once per process; ``close()`` on shutdown."""
+
+    def __init__(self, model: WhisperModel | None = None, max_batch: int = 16,
+                 batch_wait_s: float = 0.01) -> None:
+        self._model = model
+        self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_s  # after an idle wake-up, wait this long for company
+        self.stats = TranscriberStats()
+        self._pending: list[_Request] = []
+        self._active: list[_Request] = []
+        self._cv = threading.Condition()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="rtserve-transcriber", daemon=True)
+        self._thread.start()
+
+    @property
+    def model(self) -> WhisperModel:
+        if self._model is None:
+            self._model = get_whisper()
+        return self._model
+
+    # ---- public API (event loop side)
+    def transcribe(self, audio_16k: np.ndarray) -> TranscriptionStream:
+        """Queue a 16 kHz mono segment; iterate the result for deltas (call from the event loop)."""
+        audio = self._validate(audio_16k)
+        if self._closed:
+            raise TranscriptionError("transcriber is closed")
+        windows = [audio[i : i + WINDOW_SAMPLES] for i in range(0, len(audio), WINDOW_SAMPLES)]
+        if len(windows) > 1 and len(windows[-1]) < MIN_SAMPLES:
+            windows.pop()
+        req = _Request(next(self._ids), windows, asyncio.get_running_loop(), asyncio.Queue())
+        with self._cv:
+            self.stats.requests += 1
+            self._pending.append(req)
+            self._cv.notify()
+        return TranscriptionStream(req)
+
+    async def transcribe_text(self, audio_16k: np.ndarray) -> str:
+        return await self.transcribe(audio_16k).result()
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    @staticmethod
+    def _validate(audio) -> np.ndarray:
+        a = np.asarray(audio)
+        if a.dtype == np.int16:
+            a = a.astype(np.float32) / 32768.0
+        if a.ndim != 1 or a.dtype.kind != "f":
+            raise TranscriptionError(f"audio must be 1-D float32 (or int16) at 16 kHz, got {a.dtype} {a.shape}")
+        if len(a) < MIN_SAMPLES:
+            raise TranscriptionError(f"audio segment too short ({len(a)} samples at 16 kHz)")
+        a = a.astype(np.float32)
+        if not np.isfinite(a).all():
+            raise TranscriptionError("audio contains NaN or infinite samples")
+        return a
+
+    # ---- worker thread
+    def _run(self) -> None:
+        try:
+            self.model  # load at start-up, off the event loop
+        except Exception:  # noqa: BLE001 - reported to each request by _step
+            log.exception("loading Whisper failed")
+        while True:
+            with self._cv:
+                idle = not (self._pending or self._active)
+                while not self._closed and not (self._pending or self._active):
+                    self._cv.wait()
+                if self._closed:
+                    break
+            if idle and self.batch_wait_s > 0:
+                time.sleep(self.batch_wait_s)  # requests of one tick (several sessions) share a batch
+            with self._cv:
+                self._active.extend(self._pending)
+                self._pending.clear()
+            self._active = [r for r in self._active if not self._drop_if_cancelled(r)]
+            batch = self._active[: self.max_batch]
+            if batch:
+                self._step(batch)
+        for r in self._active + self._pending:
+            r.send(TranscriptionError("transcriber closed"))
+
+    def _drop_if_cancelled(self, r: _Request) -> bool:
+        if r.cancelled and not r.finished:
+            self.stats.cancelled += 1
+        return r.cancelled
+
+    def _step(self, batch: list[_Request]) -> None:
+        try:
+            model = self.model
+            audios = [r.windows[r.window] for r in batch]
+            t0 = time.perf_counter()
+            enc = model.encode(model.features(audios))
+            t1 = time.perf_counter()
+            self.stats.encoder_seconds += t1 - t0
+            self.stats.audio_seconds += sum(len(a) for a in audios) / SAMPLE_RATE
+            self.stats.batches += 1
+            self.stats.batch_sizes[len(batch)] += 1
+            self.stats.max_batch = max(self.stats.max_batch, len(batch))
+
+            def on_step(row: int, tokens: list[int], done: bool) -> bool:
+                r = batch[row]
+                text = r.text_done + model.detokenize(tokens)
+                if done:
+                    r.text_done = text
+                    r.window += 1
+                final = done and r.window >= len(r.windows)
+                if final and not r.cancelled:
+                    r.finished = True
+                    self.stats.completed += 1
+                self._stream(r, text, final=final)
+                return not r.cancelled
+
+            model.decode_greedy(enc, on_step=on_step)
+            self.stats.decoder_seconds += time.perf_counter() - t1
+        except Exception as exc:  # noqa: BLE001 - every request of the batch learns of the failure
+            log.exception("transcription batch failed")
+            for r in batch:
+                self.stats.failed += 1
+                r.cancelled = True
+                r.send(TranscriptionError(f"transcription failed: {exc}"))
+            self._active = [r for r in self._active if r not in batch]
+            return
+        finished = {r for r in batch if r.finished or r.cancelled}
+        self.stats.cancelled += sum(1 for r in finished if not r.finished)
+        self._active = [r for r in self._active if r not in finished]
+
+    @staticmethod
+    def _stream(r: _Request, text: str, final: bool) -> None:
+        """Send the new suffix of ``text`` (append-only; waits out a half-decoded UTF-8 char)."""
+        text = text.strip()  # trailing space is held back until the next word arrives
+        if not final and text.endswith("\ufffd"):
+            return
+        if text.startswith(r.emitted) and len(text) > len(r.emitted):
+            r.send(text[len(r.emitted) :])
+            r.emitted = text
+        if final:
+            r.send(("final", text))
