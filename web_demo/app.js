@@ -39,6 +39,7 @@ const state = {
   assistantText: '',
   turns: 0,
   truncations: 0,          // conversation.item.truncate events sent (barge-ins)
+  truncationsAcked: 0,     // conversation.item.truncated events received
   eventsReceived: 0,
   lastEvent: null,
   error: null,             // last error message shown, or null
@@ -397,6 +398,7 @@ function onEvent(m) {
       break;
     }
     case 'conversation.item.truncated':
+      state.truncationsAcked += 1;
       break;
 
     case 'error': {
@@ -531,8 +533,10 @@ function stopPlayback() {
 
 // Barge-in: the user talks over a reply. Stop playback at once and tell the server how much audio was actually heard.
 function bargeIn() {
-  const audioPending = ctx && player.itemId && player.end > ctx.currentTime;
   const rid = player.responseId;
+  // Truncate when reply audio is queued, or when its response is still streaming (a gap between TTS chunks).
+  const audioPending = !!(ctx && player.itemId && !interrupted.has(rid) &&
+    (player.end > ctx.currentTime || (state.responseActive && cur && cur.responseId === rid)));
   if (!audioPending && !state.responseActive) return;
   const heard = Math.floor(stopPlayback());
   state.playedMs = heard;

@@ -1,0 +1,281 @@
+"""End-to-end test of the browser demo (web_demo/) in a real headless Chromium against the real gateway.
+
+Chromium's fake microphone plays a wav of words spoken by espeak-ng; the page streams it through its AudioWorklet to
+/v1/realtime, the gateway's VAD/Whisper/LLM/TTS answer, and we watch the page: transcript, reply text, audio playback
+(Playwright mutes the output, but the audio clock runs, so the page sees its own playback progress), barge-in and a typed
+turn. Screenshots go to tests/_output/web_demo/.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "_output" / "web_demo"
+CHROMIUM = "/usr/bin/chromium"
+RTSERVE = Path(sys.executable).parent / "rtserve"
+
+# Spoken prompt: asks for a long answer so that there is still reply audio playing when we talk over it.
+SPOKEN = "Tell me a long story about a dragon."
+SPOKEN_KEYWORDS = ("story", "dragon")
+TYPED = "What is the capital of France?"
+
+pytestmark = pytest.mark.slow  # every wait below is bounded; the whole file takes about 1-3 minutes
+
+
+# ------------------------------------------------------------------------------------------------------------ fixtures
+def _apt_install(*pkgs: str) -> None:
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, timeout=600)
+    subprocess.run(["apt-get", "install", "-y", "-qq", *pkgs], check=True, env=env, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def system_tools() -> None:
+    """Debian chromium (Playwright's own browser download does not work here), espeak-ng and sox."""
+    missing = [pkg for pkg, exe in (("chromium", CHROMIUM), ("espeak-ng", "espeak-ng"), ("sox", "sox"))
+               if not (Path(exe).exists() if exe.startswith("/") else shutil.which(exe))]
+    if missing:
+        _apt_install(*missing)
+
+
+@pytest.fixture(scope="module")
+def out_dir() -> Path:
+    OUT.mkdir(parents=True, exist_ok=True)
+    return OUT
+
+
+@pytest.fixture(scope="module")
+def speech_wav(system_tools, out_dir: Path) -> tuple[Path, float]:
+    """Spoken words as 16-bit PCM mono 24 kHz (Chromium plays 24-bit fake-mic files as silence), 0.3 s of silence
+    before and 1.5 s after so server VAD sees the end of the turn."""
+    raw = out_dir / "spoken_raw.wav"
+    wav = out_dir / "spoken.wav"
+    subprocess.run(["espeak-ng", "-s", "150", "-w", str(raw), SPOKEN], check=True, timeout=60)
+    subprocess.run(["sox", str(raw), "-b", "16", "-e", "signed-integer", "-c", "1", "-r", "24000", str(wav),
+                    "pad", "0.3", "1.5"], check=True, timeout=60)
+    dur = float(subprocess.run(["soxi", "-D", str(wav)], check=True, capture_output=True, text=True).stdout)
+    assert dur > 2.0
+    return wav, dur
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gateway(out_dir: Path):
+    """The real gateway (`rtserve serve`) on a free port of 127.0.0.1 (a secure context, so getUserMedia works)."""
+    port = _free_port()
+    log = open(out_dir / "gateway.log", "wb")
+    proc = subprocess.Popen([str(RTSERVE), "serve", "--host", "127.0.0.1", "--port", str(port)],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"rtserve exited with {proc.returncode}; see {out_dir / 'gateway.log'}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rtserve did not become healthy; see {out_dir / 'gateway.log'}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser(system_tools, speech_wav):
+    from playwright.sync_api import sync_playwright
+
+    wav, _ = speech_wav
+    with sync_playwright() as p:
+        b = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=[
+                "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
+                f"--use-file-for-fake-audio-capture={wav}%noloop",
+            ],
+        )
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+class Page:
+    """A fresh page on the demo, with page errors and console errors collected."""
+
+    def __init__(self, browser, base: str, **context_args):
+        self.ctx = browser.new_context(**context_args)
+        self.ctx.grant_permissions(["microphone"], origin=base)
+        self.page = self.ctx.new_page()
+        self.errors: list[str] = []
+        self.console: list[str] = []
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}"))
+        self.page.goto(base + "/")
+
+    def state(self) -> dict:
+        return self.page.evaluate("window.rtserveDemo.state")
+
+    def wait(self, js: str, timeout_s: float, what: str):
+        try:
+            self.page.wait_for_function(js, timeout=timeout_s * 1000, polling=100)
+        except Exception as e:  # add the page's state and console to the failure
+            raise AssertionError(f"timed out waiting for {what}: {js}\nstate={json.dumps(self.state())}\n"
+                                 f"console={self.console[-20:]}\nerrors={self.errors}") from e
+
+    def tid(self, name: str):
+        return self.page.get_by_test_id(name)
+
+    def connect(self):
+        self.tid("connect").click()
+        self.wait("window.rtserveDemo.state.connected", 30, "the session to start")
+        assert self.tid("status").get_attribute("data-state") == "connected"
+        assert self.tid("status").inner_text().strip() == "Connected"
+
+    def typed_turn(self, text: str) -> str:
+        before = self.state()["turns"]
+        self.tid("text-input").fill(text)
+        self.tid("send").click()
+        self.wait(f"window.rtserveDemo.state.turns > {before}", 5, "the typed turn to start")
+        assert self.tid("user-transcript").inner_text().strip() == text
+        self.wait("(s => !s.responseActive && s.assistantText.trim().length > 0)(window.rtserveDemo.state)", 120,
+                  "the reply to the typed turn")
+        reply = self.tid("assistant-text").inner_text().strip()
+        assert reply, "empty reply text"
+        return reply
+
+    def close(self):
+        self.ctx.close()
+
+
+# --------------------------------------------------------------------------------------------------------------- tests
+def test_page_controls_and_typed_turn(gateway, browser, out_dir):
+    """The page loads at /, exposes its hooks, connects with the `realtime` subprotocol, and a typed turn (voice off:
+    output_modalities ["text"]) streams a reply; it stays readable at phone width."""
+    pg = Page(browser, gateway, viewport={"width": 1000, "height": 900})
+    try:
+        for tid in ("connect", "mic", "text-input", "send", "user-transcript", "assistant-text", "status"):
+            assert pg.tid(tid).count() == 1, f"data-testid={tid} missing"
+        s = pg.state()
+        for key in ("connected", "playbackStarted", "lastLatencyMs", "error"):
+            assert key in s
+        assert s["connected"] is False and s["error"] is None
+        assert pg.tid("status").get_attribute("data-state") == "disconnected"
+        # state is read-only: writes do not stick
+        pg.page.evaluate("() => { try { window.rtserveDemo.state.connected = true } catch (e) {} }")
+        assert pg.state()["connected"] is False
+
+        pg.page.locator("#settings summary").click()
+        pg.tid("voice").uncheck()  # text-only replies
+        pg.connect()
+        reply = pg.typed_turn(TYPED)
+        s = pg.state()
+        assert s["error"] is None, s["error"]
+        assert isinstance(s["lastLatencyMs"], (int, float)) and s["lastLatencyMs"] > 0
+        assert s["playbackStarted"] is False  # text-only: no audio was played
+        assert re.search(r"text \d+ ms", pg.tid("latency").inner_text())
+        print(f"typed turn reply: {reply!r}; latency {s['lastLatencyMs']} ms")
+
+        # A second typed turn: the first one moves to the history list, the new reply streams in the card.
+        pg.typed_turn("Thank you. Say goodbye.")
+        assert pg.page.locator("#history li").count() == 1
+        assert TYPED in pg.page.locator("#history li").first.inner_text()
+        pg.page.screenshot(path=str(out_dir / "typed_turn.png"), full_page=True)
+
+        # Phone width: nothing overflows sideways.
+        pg.page.set_viewport_size({"width": 375, "height": 800})
+        assert pg.page.evaluate("document.documentElement.scrollWidth") <= 375
+        pg.page.screenshot(path=str(out_dir / "phone.png"), full_page=True)
+
+        # Disconnect is clean (no error shown).
+        pg.tid("connect").click()
+        pg.wait("!window.rtserveDemo.state.connected", 10, "disconnect")
+        assert pg.tid("status").get_attribute("data-state") == "disconnected"
+        assert pg.state()["error"] is None
+        assert pg.errors == [], pg.errors
+    finally:
+        pg.close()
+
+
+def test_voice_turn_barge_in_and_typed_turn(gateway, browser, speech_wav, out_dir):
+    """Spoken words from the fake mic: the user's transcript appears, the reply text streams, its audio starts playing.
+    Talking over the reply stops playback and sends conversation.item.truncate; then a typed turn also gets a reply."""
+    wav, wav_s = speech_wav
+    pg = Page(browser, gateway, viewport={"width": 1000, "height": 900})
+    try:
+        pg.connect()
+        assert pg.state()["error"] is None
+        pg.tid("mic").click()  # server VAD is on by default; the fake mic starts playing the wav now
+        mic_on = time.monotonic()
+        pg.wait("window.rtserveDemo.state.micOn", 10, "the microphone to start")
+
+        pg.wait("window.rtserveDemo.state.userTranscript.trim().length > 0", 90, "the user's transcript")
+        pg.wait("window.rtserveDemo.state.assistantText.trim().length > 0", 90, "the reply text")
+        pg.wait("window.rtserveDemo.state.playbackStarted", 90, "reply audio playback")
+        s = pg.state()
+        heard = s["userTranscript"].lower()
+        assert any(k in heard for k in SPOKEN_KEYWORDS), f"transcript {heard!r} has none of {SPOKEN_KEYWORDS}"
+        assert pg.tid("user-transcript").inner_text().strip() == s["userTranscript"].strip()
+        assert s["lastLatency"]["audioMs"] is not None and s["lastLatency"]["audioMs"] > 0
+        pg.wait("window.rtserveDemo.state.playedMs > 300", 30, "reply audio to keep playing")
+        print(f"voice turn: heard {s['userTranscript']!r}; latency {s['lastLatency']}")
+        pg.page.screenshot(path=str(out_dir / "voice_turn.png"), full_page=True)
+
+        # Barge-in: Chromium's fake mic replays its file when capture restarts (once the first play has ended).
+        time.sleep(max(0.0, mic_on + wav_s + 0.3 - time.monotonic()))
+        s = pg.state()
+        assert s["playing"] or s["responseActive"], \
+            f"the reply ended before we could talk over it (played {s['playedMs']} ms): {s}"
+        pg.page.evaluate("window.rtserveDemo.stopMic()")
+        pg.page.evaluate("window.rtserveDemo.startMic()")
+        pg.wait("window.rtserveDemo.state.truncations > 0", 30, "barge-in (conversation.item.truncate)")
+        s = pg.state()
+        assert not s["playing"], "playback must stop at once on barge-in"
+        assert s["playedMs"] > 300
+        assert pg.tid("playback").inner_text().startswith("interrupted at")
+        # The interrupted turn moved to the history, marked as interrupted; the new utterance is transcribed too.
+        pg.wait("window.rtserveDemo.state.truncationsAcked > 0", 10, "conversation.item.truncated from the server")
+        pg.wait("window.rtserveDemo.state.userTranscript.trim().length > 0", 90, "the second transcript")
+        assert pg.page.locator("#history li .text[data-state=interrupted]").count() >= 1
+        pg.wait("!window.rtserveDemo.state.responseActive", 120, "the reply to the second utterance")
+
+        # Typed turn on the same session (voice on: reply text is the audio transcript).
+        pg.page.evaluate("window.rtserveDemo.stopMic()")
+        reply = pg.typed_turn(TYPED)
+        print(f"typed reply: {reply!r}")
+        s = pg.state()
+        assert s["error"] is None, s["error"]
+        pg.page.screenshot(path=str(out_dir / "web_demo.png"), full_page=False)
+        assert pg.errors == [], pg.errors
+    finally:
+        pg.close()
