@@ -7,6 +7,7 @@
 const RATE = 24000;
 const JITTER_LEAD_S = 0.15;   // delay before the first chunk of a reply plays (absorbs network/TTS jitter)
 const UNDERRUN_LEAD_S = 0.08; // delay used when the buffer ran dry mid-reply
+const TRANSCRIPTION_MODEL = 'whisper-1'; // the server maps it to its own Whisper
 const HOLD_MS = 350;          // push-to-talk: a press longer than this is "hold to talk", shorter is "tap to toggle"
 
 const $ = (id) => document.getElementById(id);
@@ -89,6 +90,7 @@ function sessionConfig() {
     audio: {
       input: {
         format: { type: 'audio/pcm', rate: RATE },
+        transcription: { model: TRANSCRIPTION_MODEL }, // ask for the user's transcript (as OpenAI's service needs)
         turn_detection: vadOn()
           ? { type: 'server_vad', silence_duration_ms: silenceMs(), create_response: true, interrupt_response: true }
           : null,
