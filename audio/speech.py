@@ -35,8 +35,11 @@ def piper_speech(text: str, rate: int = 16_000, speed: float = 1.0) -> np.ndarra
     return resample(synth.synthesize(text, speed).astype(np.float32) / 32768.0, synth.sample_rate, rate)
 
 
-def speech_bounds_ms(x: np.ndarray, rate: int = 16_000, rel: float = 0.05) -> tuple[float, float]:
-    """Where the voice actually is in a clip: first/last 10 ms frame above ``rel`` of the peak RMS."""
+def speech_bounds_ms(x: np.ndarray, rate: int = 16_000, rel: float = 0.01) -> tuple[float, float]:
+    """Where the voice is in a clip: first/last 10 ms frame above ``rel`` of the peak RMS.
+
+    −40 dB by default, so soft fricatives at the end of a word still count as speech.
+    """
     hop = rate // 100
     n = len(x) // hop
     rms = np.sqrt((x[: n * hop].reshape(n, hop) ** 2).mean(axis=1))
