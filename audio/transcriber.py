@@ -162,6 +162,11 @@ class Transcriber:
             self._cv.notify()
         return TranscriptionStream(req)
 
+    @property
+    def inflight(self) -> int:
+        """Requests queued or being decoded (approximate: read without the worker's lock)."""
+        return len(self._pending) + len(self._active)
+
     async def transcribe_text(self, audio_16k: np.ndarray) -> str:
         return await self.transcribe(audio_16k).result()
 

@@ -1,0 +1,142 @@
+"""Whisper tiny.en from the packaged CTranslate2 model, and the shared batched Transcriber."""
+
+import asyncio
+import re
+import time
+
+import jiwer
+import numpy as np
+import pytest
+import torch
+
+from audio.speech import espeak_speech, piper_speech
+from audio.transcriber import Transcriber, TranscriptionError
+from audio.whisper import WhisperModel, ct2_to_hf_state_dict, package_model_dir, read_ct2_model
+
+torch.set_num_threads(2)
+
+REF = "what is the capital of france"
+
+
+def _norm(s: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"[^a-z0-9' ]", " ", s.lower())).strip()
+
+
+@pytest.fixture(scope="module")
+def clips():
+    return {"espeak": espeak_speech("What is the capital of France?"),
+            "piper": piper_speech("What is the capital of France?")}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    # A fresh cache: this exercises the one-time conversion from model.bin.
+    cache = tmp_path_factory.mktemp("rtserve-cache")
+    WhisperModel.load(cache=cache, dtype=torch.bfloat16, quiet=True)
+    t0 = time.perf_counter()
+    m = WhisperModel.load(cache=cache, dtype=torch.bfloat16)
+    m.load_seconds = time.perf_counter() - t0
+    return m
+
+
+@pytest.fixture(scope="module")
+def transcriber(model):
+    t = Transcriber(model)
+    yield t
+    t.close()
+
+
+def test_ct2_reader_maps_every_weight():
+    v = read_ct2_model(package_model_dir() / "model.bin")
+    assert v["decoder/embeddings/weight"].dtype == np.float16  # the package ships float16
+    sd, dims = ct2_to_hf_state_dict(v)
+    assert dims["d_model"] == 384 and dims["encoder_layers"] == 4 and dims["vocab_size"] == 51864
+    assert all(t.dtype == torch.float32 for t in sd.values())
+    assert "model.encoder.layers.0.self_attn.k_proj.bias" not in sd
+    # The fused q/k/v rows land in the right projections (CTranslate2 stores zeros as the k bias).
+    fused = v["encoder/layer_0/self_attention/linear_0/bias"]
+    assert not fused[384:768].any()
+    assert np.array_equal(sd["model.encoder.layers.0.self_attn.v_proj.bias"].numpy(), fused[768:].astype(np.float32))
+
+
+def test_cached_load_is_quick_and_complete(model):
+    assert model.load_seconds < 1.0
+    assert not any(p.is_meta for p in model.model.parameters())
+    assert model.model.proj_out.weight is model.model.model.decoder.embed_tokens.weight
+
+
+@pytest.mark.parametrize("voice", ["espeak", "piper"])
+def test_transcribes_real_speech(model, clips, voice):
+    text = model.transcribe([clips[voice]])[0]
+    assert jiwer.wer(REF, _norm(text)) <= 0.2, text
+
+
+@pytest.mark.slow
+def test_fp32_and_batch_agree(clips):
+    exact = WhisperModel.load(dtype=torch.float32)
+    texts = exact.transcribe([clips["espeak"], clips["piper"]])
+    assert all(jiwer.wer(REF, _norm(t)) <= 0.2 for t in texts), texts
+
+
+async def test_transcriber_streams_deltas(transcriber, clips):
+    stream = transcriber.transcribe(clips["piper"])
+    deltas = [d async for d in stream]
+    assert len(deltas) >= 3  # token by token, not one blob
+    assert "".join(deltas) == stream.text
+    assert jiwer.wer(REF, _norm(stream.text)) <= 0.2
+
+
+async def test_transcriber_batches_concurrent_requests(transcriber, clips):
+    before = dict(transcriber.stats.batch_sizes)
+    audios = [clips["espeak"], clips["piper"], clips["piper"], clips["espeak"]]
+    texts = await asyncio.gather(*(transcriber.transcribe_text(a) for a in audios))
+    assert all(jiwer.wer(REF, _norm(t)) <= 0.2 for t in texts), texts
+    after = transcriber.stats.batch_sizes
+    assert after.get(4, 0) == before.get(4, 0) + 1  # one encoder batch of four
+    assert transcriber.stats.max_batch >= 4
+    snap = transcriber.stats.snapshot()
+    assert snap["audio_seconds"] > 0 and snap["encoder_seconds"] > 0 and snap["rtf"] > 0
+
+
+@pytest.mark.slow
+async def test_long_audio_is_windowed(transcriber, clips):
+    long = np.concatenate([clips["piper"], np.zeros(16000 * 29, np.float32), clips["espeak"]])
+    text = await transcriber.transcribe_text(long)
+    assert _norm(text).count("capital of france") == 2, text
+
+
+@pytest.mark.slow
+async def test_cancelled_consumer_is_dropped(transcriber):
+    story = piper_speech("Once upon a time there was a small cat who lived in a quiet village by the sea. "
+                         "Every morning the cat walked to the harbour to watch the boats come in.")
+    cancelled = transcriber.stats.cancelled
+
+    async def consume():
+        async for _ in transcriber.transcribe(story):
+            got_first.set()
+
+    got_first = asyncio.Event()
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(got_first.wait(), 60)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(600):
+        if transcriber.inflight == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert transcriber.inflight == 0
+    assert transcriber.stats.cancelled == cancelled + 1
+    # The worker goes on serving.
+    assert "story" in _norm(await transcriber.transcribe_text(espeak_speech("tell me a story")))
+
+
+async def test_bad_input_is_typed(transcriber):
+    with pytest.raises(TranscriptionError):
+        transcriber.transcribe(np.zeros((2, 16000), np.float32))
+    with pytest.raises(TranscriptionError):
+        transcriber.transcribe(np.zeros(10, np.float32))
+    with pytest.raises(TranscriptionError):
+        transcriber.transcribe(np.full(16000, np.nan, np.float32))
+    with pytest.raises(TranscriptionError):
+        transcriber.transcribe(np.array(["a", "b"]))
