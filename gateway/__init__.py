@@ -1,0 +1,1 @@
+"""Realtime + HTTP gateway (starlette). See docs/design.md."""

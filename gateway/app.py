@@ -1,0 +1,134 @@
+"""The starlette app: routes, lifespan (one shared AsyncEngine, loaded in a thread), the Realtime WebSocket endpoint."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket
+
+from gateway import handshake, http_api
+from gateway.conversation import PromptRenderer
+from gateway.metrics import CONTENT_TYPE, Metrics
+from gateway.session import RealtimeSession, SessionLimits
+
+log = logging.getLogger("rtserve")
+WEB_DEMO_DIR = Path(__file__).resolve().parent.parent / "web_demo"
+WS_MAX_SIZE = 64 * 1024 * 1024  # uvicorn's hard limit; frames above protocol.MAX_FRAME_BYTES get an error event
+
+
+@dataclass(slots=True)
+class Settings:
+    """Server settings; `engine_args` go to AsyncEngine as keyword arguments (named like the CLI flags)."""
+    model: str | None = None
+    engine_args: dict = field(default_factory=dict)
+    api_key: str | None = None
+    allowed_origins: list[str] | None = None
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    public_url: str | None = None  # printed in the ready message
+
+
+def create_app(settings: Settings | None = None, engine=None) -> Starlette:
+    """Build the app. With `engine` given (tests, embedding) it is used as is and not shut down by the app."""
+    settings = settings or Settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        owned = engine is None
+        if owned:
+            app.state.engine = await _load_engine(settings)
+            _attach(app, app.state.engine)
+            if settings.public_url:
+                print(f"rtserve: ready on {settings.public_url}  (realtime: "
+                      f"{settings.public_url.replace('http', 'ws', 1)}/v1/realtime)", flush=True)
+        try:
+            yield
+        finally:
+            if owned and app.state.engine is not None:
+                await asyncio.to_thread(app.state.engine.shutdown)
+
+    routes = [
+        WebSocketRoute("/v1/realtime", realtime_endpoint),
+        Route("/v1/models", http_api.models, methods=["GET"]),
+        Route("/v1/chat/completions", http_api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", http_api.completions, methods=["POST"]),
+        Route("/health", http_api.health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ]
+    if WEB_DEMO_DIR.is_dir():
+        routes.append(Mount("/", app=StaticFiles(directory=WEB_DEMO_DIR, html=True), name="web_demo"))
+    middleware = []
+    if settings.allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                                     allow_headers=["*"]))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.started = int(time.time())
+    app.state.engine = None
+    app.state.metrics = Metrics(lambda: app.state.engine.stats() if app.state.engine is not None else None)
+    if engine is not None:
+        _attach(app, engine)
+    return app
+
+
+def _attach(app: Starlette, engine) -> None:
+    app.state.engine = engine
+    app.state.renderer = PromptRenderer(engine.tokenizer)
+
+
+async def _load_engine(settings: Settings):
+    """Load the model in a thread, printing progress so a slow first load (GGUF conversion) is visibly alive."""
+    from engine import AsyncEngine
+
+    name = settings.model or "the embedded default model (SmolLM2-135M-Instruct)"
+    print(f"rtserve: loading {name} ...", flush=True)
+    start = time.monotonic()
+    task = asyncio.create_task(asyncio.to_thread(AsyncEngine, model=settings.model, **settings.engine_args))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=5.0)
+        if done:
+            break
+        print(f"rtserve: still loading ({time.monotonic() - start:.0f} s)", flush=True)
+    engine = task.result()
+    stats = engine.stats()
+    print(f"rtserve: loaded {engine.model_name} in {time.monotonic() - start:.1f} s "
+          f"(max_model_len {engine.max_model_len}, {stats.get('kv_blocks_total')} KV blocks)", flush=True)
+    return engine
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def realtime_endpoint(websocket: WebSocket) -> None:
+    state = websocket.app.state
+    settings: Settings = state.settings
+    hs = handshake.negotiate(websocket.headers, websocket.query_params, websocket.scope.get("subprotocols") or [],
+                             settings.api_key, settings.allowed_origins)
+    if hs.reject is None and state.engine is None:
+        hs.reject = (503, "The model is still loading.")
+    if hs.reject is not None:
+        status, message = hs.reject
+        code = {401: "invalid_api_key", 403: "origin_not_allowed"}.get(status, "model_loading")
+        body = {"error": {"message": message, "type": "invalid_request_error", "code": code, "param": None}}
+        if "websocket.http.response" in websocket.scope.get("extensions", {}):
+            await websocket.send_denial_response(JSONResponse(body, status_code=status))
+        else:
+            await websocket.close(code=1008, reason=message)
+        return
+    await websocket.accept(subprotocol=hs.subprotocol)
+    session = RealtimeSession(websocket, state.engine, state.renderer, state.metrics, hs, settings.limits)
+    await session.run()
+    if session.close_reason != "client closed":  # we are ending it (slow reader): say why, without waiting long
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(websocket.close(code=1008, reason=(session.close_reason or "")[:120]), 1.0)

@@ -1,0 +1,102 @@
+"""`rtserve serve ...` runs the gateway; `rtserve bench NAME ...` forwards the rest of argv to `bench.NAME.main(argv)`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+USAGE = """usage: rtserve serve [options]      run the OpenAI-compatible Realtime + HTTP server
+       rtserve bench NAME [args]    run bench/NAME.py (e.g. `rtserve bench realtime --help`)"""
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="rtserve serve", description="OpenAI Realtime (WebSocket) + HTTP API server.")
+    ap.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=os.environ.get("RTSERVE_API_KEY"),
+                    help="require this key (Bearer header, openai-insecure-api-key. subprotocol or ?api-key=)")
+    ap.add_argument("--allowed-origins", default=None,
+                    help="comma-separated browser origins allowed besides same-origin pages ('*' for any)")
+    ap.add_argument("--kv-cache-memory", default=None, help='KV cache size, bytes or e.g. "2GiB" (engine default 1GiB)')
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    ap.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    ap.add_argument("--pinned-blocks-fraction", type=float, default=None,
+                    help="share of the KV pool live sessions may keep pinned (engine default 0.5)")
+    ap.add_argument("--device", default=None, help='"cpu" (default) or "cuda"')
+    ap.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    ap.add_argument("--send-queue-max", type=int, default=None,
+                    help="outgoing events buffered per connection before a stalled client is disconnected")
+    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return ap
+
+
+def engine_args(ns: argparse.Namespace) -> dict:
+    """CLI flags → AsyncEngine keyword arguments (only those given, so the engine's defaults stay the defaults)."""
+    args = {key: getattr(ns, key) for key in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+                                              "max_model_len", "block_size", "dtype", "attention_backend",
+                                              "pinned_blocks_fraction", "device", "num_threads") if getattr(ns, key) is not None}
+    if ns.no_prefix_caching:
+        args["enable_prefix_caching"] = False
+    return args
+
+
+def serve(argv: list[str]) -> int:
+    import logging
+
+    import uvicorn
+
+    from gateway.app import WS_MAX_SIZE, Settings, create_app
+    from gateway.session import SessionLimits
+
+    ns = serve_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    limits = SessionLimits()
+    if ns.send_queue_max:
+        limits.send_queue_max = ns.send_queue_max
+    origins = [o.strip().rstrip("/") for o in ns.allowed_origins.split(",") if o.strip()] if ns.allowed_origins \
+        else None
+    settings = Settings(model=ns.model, engine_args=engine_args(ns), api_key=ns.api_key or None,
+                        allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{ns.port}")
+    uvicorn.run(create_app(settings), host=ns.host, port=ns.port, ws_max_size=WS_MAX_SIZE,
+                log_level=ns.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def bench(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: rtserve bench NAME [args]   (NAME: a module in bench/, e.g. realtime, throughput)")
+        return 0 if argv else 2
+    name = argv[0]
+    try:
+        module = importlib.import_module(f"bench.{name}")
+    except ModuleNotFoundError as e:
+        if e.name in (f"bench.{name}", "bench"):
+            print(f"rtserve: no benchmark named {name!r} (expected bench/{name}.py)", file=sys.stderr)
+            return 2
+        raise
+    return module.main(argv[1:]) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        return serve(rest)
+    if command == "bench":
+        return bench(rest)
+    print(USAGE, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Conversation items and their rendering into prompt token ids.
+
+Items are stored GA-shaped. The renderer keeps each session's prompt append-only: a new turn re-renders the whole
+conversation through the model's chat template, and when the previous rendering (prompt + generated answer) is a prefix
+of the new text, only the new suffix is tokenized and appended to the previous token ids. The engine's prefix cache then
+finds every earlier block and prefills only the new turn. Anything that rewrites history (delete, truncate, insert in the
+middle, other instructions) falls back to a full re-render and the cache reuses the longest still-valid prefix.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway import protocol as p
+
+MAX_ITEM_ID_LEN = 64
+
+_USER_PARTS = ("input_text", "input_audio")
+_SYSTEM_PARTS = ("input_text",)
+_ASSISTANT_PARTS = ("output_text", "output_audio", "text", "audio")  # beta spells the assistant parts text/audio
+
+
+@dataclass(slots=True)
+class Item:
+    """One conversation item, GA-shaped. `audio_ms[i]` is how much audio content part i holds (for truncate)."""
+    id: str
+    type: str  # "message" | "function_call" | "function_call_output"
+    role: str | None = None
+    content: list[dict] = field(default_factory=list)
+    status: str = "completed"
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+    audio_ms: dict[int, int] = field(default_factory=dict)
+
+    def to_dict(self, include_audio: bool = False) -> dict:
+        out: dict[str, Any] = {"id": self.id, "object": "realtime.item", "type": self.type, "status": self.status}
+        if self.type == "message":
+            out["role"] = self.role
+            out["content"] = [part if include_audio or "audio" not in part else
+                              {k: v for k, v in part.items() if k != "audio"} for part in self.content]
+        elif self.type == "function_call":
+            out.update(call_id=self.call_id, name=self.name, arguments=self.arguments)
+        else:
+            out.update(call_id=self.call_id, output=self.output)
+        return out
+
+    def text(self) -> str:
+        """What the model sees of this item: texts and transcripts of its parts."""
+        return "".join(part.get("text") or part.get("transcript") or "" for part in self.content)
+
+
+def parse_item(raw: Any, param: str = "item") -> Item:
+    """A client-supplied item (conversation.item.create or response.input) → Item; raises ProtocolError."""
+    if not isinstance(raw, dict):
+        raise p.wrong_type(param, "an object", raw)
+    p.check_known(raw, {"id", "type", "object", "status", "role", "content", "call_id", "name", "arguments",
+                        "output"}, param)
+    item_id = p.get_str(raw, "id", param + ".id", nullable=True) or p.new_id("item")
+    if len(item_id) > MAX_ITEM_ID_LEN:
+        raise p.bad_value(param + ".id", item_id, f"at most {MAX_ITEM_ID_LEN} characters")
+    kind = p.check_choice(raw.get("type", "message"), param + ".type",
+                          ("message", "function_call", "function_call_output"))
+    if kind == "function_call":
+        return Item(item_id, kind, call_id=p.get_str(raw, "call_id", param + ".call_id") or p.new_id("call"),
+                    name=p.get_str(raw, "name", param + ".name", required=True),
+                    arguments=p.get_str(raw, "arguments", param + ".arguments") or "")
+    if kind == "function_call_output":
+        return Item(item_id, kind, call_id=p.get_str(raw, "call_id", param + ".call_id", required=True),
+                    output=p.get_str(raw, "output", param + ".output", required=True))
+    role = p.check_choice(p.get_str(raw, "role", param + ".role", required=True), param + ".role",
+                          ("user", "assistant", "system"))
+    content = p.get_list(raw, "content", param + ".content")
+    if content is None:
+        raise p.missing(param + ".content")
+    allowed = {"user": _USER_PARTS, "system": _SYSTEM_PARTS, "assistant": _ASSISTANT_PARTS}[role]
+    parts = [_parse_part(part, f"{param}.content[{i}]", allowed) for i, part in enumerate(content)]
+    return Item(item_id, "message", role=role, content=parts)
+
+
+def _parse_part(part: Any, param: str, allowed: tuple[str, ...]) -> dict:
+    if not isinstance(part, dict):
+        raise p.wrong_type(param, "an object", part)
+    ptype = p.check_choice(part.get("type"), param + ".type", allowed)
+    ptype = {"text": "output_text", "audio": "output_audio"}.get(ptype, ptype)
+    if ptype in ("input_text", "output_text"):
+        p.check_known(part, {"type", "text"}, param)
+        return {"type": ptype, "text": p.get_str(part, "text", param + ".text", required=True)}
+    p.check_known(part, {"type", "audio", "transcript", "format"}, param)
+    out = {"type": ptype}
+    if (audio := p.get_str(part, "audio", param + ".audio", nullable=True)) is not None:
+        out["audio"] = audio
+    transcript = p.get_str(part, "transcript", param + ".transcript", nullable=True)
+    out["transcript"] = transcript
+    return out
+
+
+class Conversation:
+    """The ordered items of the default conversation (`conv_…`)."""
+
+    def __init__(self) -> None:
+        self.id = p.new_id("conv")
+        self.items: list[Item] = []
+
+    def __contains__(self, item_id: str) -> bool:
+        return any(it.id == item_id for it in self.items)
+
+    def get(self, item_id: str, param: str = "item_id") -> Item:
+        for item in self.items:
+            if item.id == item_id:
+                return item
+        raise p.ProtocolError(f"Item with item_id not found: {item_id}", "item_not_found", param)
+
+    def insert(self, item: Item, previous_item_id: str | None = None) -> str | None:
+        """Append, insert first ("root"), or insert after `previous_item_id`; returns the id now before `item`."""
+        if item.id in self:
+            raise p.ProtocolError(f"Item with id {item.id} already exists in the conversation.",
+                                  "item_id_already_exists", "item.id")
+        if previous_item_id is None:
+            index = len(self.items)
+        elif previous_item_id == "root":
+            index = 0
+        else:
+            self.get(previous_item_id, "previous_item_id")
+            index = next(i for i, it in enumerate(self.items) if it.id == previous_item_id) + 1
+        self.items.insert(index, item)
+        return self.items[index - 1].id if index > 0 else None
+
+    def delete(self, item_id: str) -> None:
+        self.items.remove(self.get(item_id))
+
+
+def truncate_part(item: Item, content_index: int, audio_end_ms: int) -> None:
+    """Drop what the listener did not hear of an assistant part.
+
+    Audio parts keep `audio_end_ms` of audio and the matching share of the transcript (cut at a word boundary); the
+    audio stage may store finer timings and replace this. A text-only part was never played, so it stays whole.
+    """
+    part = item.content[content_index]
+    if part["type"] != "output_audio":
+        return
+    total = item.audio_ms.get(content_index, 0)
+    if audio_end_ms > total:
+        raise p.ProtocolError(f"audio_end_ms {audio_end_ms} is longer than the audio ({total} ms).",
+                              "invalid_value", "audio_end_ms")
+    transcript = part.get("transcript") or ""
+    keep = len(transcript) * audio_end_ms // total if total else 0
+    cut = transcript[:keep]
+    if keep < len(transcript) and " " in cut:
+        cut = cut[:cut.rfind(" ")]
+    part["transcript"] = cut
+    part.pop("audio", None)
+    item.audio_ms[content_index] = audio_end_ms
+
+
+def to_messages(items: list[Item], instructions: str) -> list[dict]:
+    """Chat-template messages. Empty instructions send no system message, so the template adds its own default
+    (SmolLM2 does) the same way on every turn — the rendering stays a prefix of the next one."""
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    for item in items:
+        if item.type == "message":
+            messages.append({"role": item.role, "content": item.text()})
+        elif item.type == "function_call":
+            messages.append({"role": "assistant",
+                             "content": f'{{"function_call": "{item.name}", "arguments": {item.arguments or "{}"}}}'})
+        else:
+            messages.append({"role": "user", "content": f"Function result ({item.call_id}): {item.output}"})
+    return messages
+
+
+@dataclass(slots=True)
+class Rendered:
+    """A prompt as text and the exact token ids sent to the engine (not necessarily the canonical tokenization)."""
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+
+
+class PromptRenderer:
+    """Chat template + tokenizer, shared by all sessions (tokenizer calls are serialized; they run in threads)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        with self._lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def template(self, messages: list[dict]) -> str:
+        with self._lock:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def render(self, messages: list[dict], previous: Rendered | None = None) -> tuple[Rendered, bool]:
+        """Render `messages`; returns the prompt and whether it extends `previous` (append-only) or was re-rendered."""
+        text = self.template(messages)
+        if previous is not None and previous.text and text.startswith(previous.text):
+            return Rendered(text, previous.ids + self.encode(text[len(previous.text):])), True
+        return Rendered(text, self.encode(text)), False
+
+    def extend(self, prompt: Rendered, output_ids: list[int]) -> Rendered:
+        """The state after a turn: the prompt plus the generated ids (with their stop token, if any)."""
+        with self._lock:
+            tail = self.tokenizer.decode(output_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return Rendered(prompt.text + tail, prompt.ids + list(output_ids))

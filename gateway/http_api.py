@@ -1,0 +1,245 @@
+"""OpenAI HTTP API: /v1/models, /v1/chat/completions, /v1/completions (streaming SSE and not), /health.
+
+HTTP requests are batch traffic: they run at priority 1, behind realtime turns.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from engine import SamplingParams
+from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
+from gateway import protocol as p
+from gateway.handshake import bearer_ok
+from gateway.metrics import LatencyTimer
+
+HTTP_PRIORITY = 1
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def error_response(err: HTTPError) -> Response:
+    return json_response({"error": {"message": err.message, "type": err.type, "param": err.param,
+                                    "code": err.code}}, err.status)
+
+
+def _engine(request: Request):
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        raise HTTPError(503, "The model is still loading.", "model_loading", type="server_error")
+    return engine
+
+
+def _check_auth(request: Request) -> None:
+    if not bearer_ok(request.headers, request.app.state.settings.api_key):
+        raise HTTPError(401, "Incorrect or missing API key.", "invalid_api_key")
+
+
+def endpoint(fn):
+    """Auth + OpenAI-shaped errors for every API route."""
+    async def wrapper(request: Request) -> Response:
+        try:
+            _check_auth(request)
+            return await fn(request)
+        except HTTPError as err:
+            return error_response(err)
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+async def health(request: Request) -> Response:
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        return json_response({"status": "loading"}, 503)
+    return json_response({"status": "ok", "model": engine.model_name})
+
+
+@endpoint
+async def models(request: Request) -> Response:
+    engine = _engine(request)
+    return json_response({"object": "list", "data": [
+        {"id": engine.model_name, "object": "model", "created": request.app.state.started, "owned_by": "rtserve"}]})
+
+
+async def _body(request: Request) -> dict:
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
+        raise HTTPError(400, f"The request body is not valid JSON: {e}.", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "The request body must be a JSON object.", "invalid_json")
+    return body
+
+
+def _sampling(body: dict, engine, prompt_len: int) -> SamplingParams:
+    """OpenAI body fields → SamplingParams; `max_tokens` defaults to what fits the context."""
+    try:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        room = engine.max_model_len - prompt_len
+        if room < 1:
+            raise PromptTooLongError(f"the prompt ({prompt_len} tokens) does not fit the model's "
+                                     f"{engine.max_model_len}-token context")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 1):
+            raise HTTPError(400, "max_tokens must be a positive integer.", "invalid_value", "max_tokens")
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        if body.get("n", 1) != 1:
+            raise HTTPError(400, "Only n=1 is supported.", "invalid_value", "n")
+        kwargs = {"max_tokens": min(room, max_tokens or room),
+                  "temperature": body.get("temperature", 1.0),
+                  "top_p": body.get("top_p", 1.0), "seed": body.get("seed"), "stop": stop or None,
+                  "frequency_penalty": body.get("frequency_penalty") or 0.0,
+                  "presence_penalty": body.get("presence_penalty") or 0.0}
+        for key in ("top_k", "min_p", "repetition_penalty"):
+            if key in body:
+                kwargs[key] = body[key]
+        return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+    except (InvalidRequestError, PromptTooLongError, TypeError, ValueError) as exc:
+        raise HTTPError(400, str(exc), "invalid_value") from None
+
+
+def _chat_prompt(body: dict, renderer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "'messages' must be a non-empty array.", "invalid_value", "messages")
+    flat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise HTTPError(400, f"messages[{i}] needs a role of system, developer, user, assistant or tool.",
+                            "invalid_value", f"messages[{i}].role")
+        content = m.get("content") or ""
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if not isinstance(content, str):
+            raise HTTPError(400, f"messages[{i}].content must be a string or an array of parts.",
+                            "invalid_type", f"messages[{i}].content")
+        role = "system" if m["role"] == "developer" else m["role"]
+        flat.append({"role": role, "content": content})
+    return renderer.encode(renderer.template(flat))
+
+
+def _completion_prompt(body: dict, renderer) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return renderer.encode(prompt) if prompt else []
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise HTTPError(400, "'prompt' must be a string or an array of token ids (one prompt).", "invalid_value",
+                    "prompt")
+
+
+@endpoint
+async def chat_completions(request: Request) -> Response:
+    return await _complete(request, chat=True)
+
+
+@endpoint
+async def completions(request: Request) -> Response:
+    return await _complete(request, chat=False)
+
+
+async def _complete(request: Request, chat: bool) -> Response:
+    engine = _engine(request)
+    state = request.app.state
+    body = await _body(request)
+    make_prompt = _chat_prompt if chat else _completion_prompt
+    prompt_ids = await asyncio.to_thread(make_prompt, body, state.renderer)
+    if not prompt_ids:
+        raise HTTPError(400, "The prompt is empty.", "invalid_value", "prompt")
+    params = _sampling(body, engine, len(prompt_ids))
+    rid = p.new_id("chatcmpl" if chat else "cmpl")
+    created = int(time.time())
+    model = body.get("model") or engine.model_name
+    gen = engine.generate(rid, prompt_ids, params, priority=HTTP_PRIORITY, cache_salt=body.get("cache_salt"))
+    timer = LatencyTimer(state.metrics, "http", asyncio.get_running_loop().time())
+    try:  # surface prompt errors (raised before the first output) as HTTP 400, not a broken stream
+        first = await anext(gen)
+    except (PromptTooLongError, InvalidRequestError) as exc:
+        raise HTTPError(400, str(exc), type(exc).__name__) from None
+    except EngineError as exc:
+        raise HTTPError(500, str(exc), "engine_error", type="server_error") from None
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(_stream(gen, first, rid, created, model, chat, include_usage, timer),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    text, out, n_out = [], first, 0
+    async with contextlib.aclosing(gen):
+        while True:
+            n_out += len(out.new_token_ids)
+            if out.text_delta:
+                timer.mark(asyncio.get_running_loop().time())
+                text.append(out.text_delta)
+            if out.finished:
+                break
+            out = await anext(gen)
+    usage = _usage(out, n_out)
+    reason = "length" if out.finish_reason == "length" else "stop"
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "logprobs": None,
+                  "finish_reason": reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return json_response({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+                          "usage": usage})
+
+
+def _usage(out, n_out: int) -> dict:
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": n_out,
+            "total_tokens": out.num_prompt_tokens + n_out,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+async def _stream(gen, first, rid: str, created: int, model: str, chat: bool, include_usage: bool, timer):
+    """SSE chunks; if the client goes away the generator is closed, which aborts the engine request."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | None, reason: str | None, role: bool = False) -> bytes:
+        if chat:
+            d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+        body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    async with contextlib.aclosing(gen):
+        if chat:
+            yield chunk(None, None, role=True)
+        out, n_out = first, 0
+        while True:
+            n_out += len(out.new_token_ids)
+            reason = ("length" if out.finish_reason == "length" else "stop") if out.finished else None
+            if out.text_delta:
+                timer.mark(asyncio.get_running_loop().time())
+            if out.text_delta or reason:
+                yield chunk(out.text_delta, reason)
+            if out.finished:
+                break
+            out = await anext(gen)
+        if include_usage:
+            yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                            "choices": [], "usage": _usage(out, n_out)}) + b"\n\n"
+        yield b"data: [DONE]\n\n"

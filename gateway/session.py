@@ -1,0 +1,470 @@
+"""One Realtime WebSocket session: a state machine over (session config, conversation, active response).
+
+Incoming events are handled one at a time, in order, by `_on_<event>` handlers; a handler either answers at once or
+starts the single active response as a task. Every outgoing event goes through `send()`, which translates it for the
+connection's dialect and puts it on a bounded queue drained by one writer task: the engine and other sessions never wait
+for a slow client, and a client whose queue overflows (or whose socket stays blocked too long) is disconnected.
+
+Audio integration points (the text build answers audio events with an `audio_unavailable` error):
+- `input_audio_buffer.*` → `_on_input_audio_buffer_append/commit/clear` (replace; commit creates a user item with an
+  `input_audio` part via `add_item()`, then transcription fills its `transcript`).
+- Output: `_open_output()` picks the sink for a response; `TextOutput` streams `response.output_text.*`. An audio sink
+  (TTS) implements the same three methods and emits `response.output_audio_transcript.*` + `response.output_audio.*`
+  on an `output_audio` part. GA's default `output_modalities` is ["audio"]; with no audio sink wired (`self.tts` is
+  None) such responses stream text and report `output_modalities: ["text"]`.
+- Barge-in: `cancel_response("turn_detected")`; truncate: `conversation.truncate_part` (uses `Item.audio_ms`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from engine import SamplingParams
+from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
+from gateway import protocol as p
+from gateway import session_config as sc
+from gateway.conversation import Conversation, Item, PromptRenderer, Rendered, parse_item, to_messages, \
+    truncate_part
+from gateway.handshake import Handshake
+from gateway.metrics import LatencyTimer, Metrics
+
+log = logging.getLogger("rtserve.session")
+
+REALTIME_PRIORITY = 0  # realtime turns run before HTTP batch requests (priority 1)
+
+
+@dataclass(slots=True)
+class SessionLimits:
+    send_queue_max: int = 4096  # outgoing frames buffered per connection before the client counts as stalled
+    send_timeout_s: float = 20.0  # one frame blocked this long on the socket → disconnect
+    max_output_tokens: int = 4096
+
+
+@dataclass(slots=True)
+class ActiveResponse:
+    id: str
+    params: sc.ResponseParams
+    request_id: str
+    items: list[Item] | None  # the prompt's items when they are not the conversation (`input` given)
+    output_modalities: list[str]
+    task: asyncio.Task | None = None
+    cancel_reason: str | None = None
+    item: Item | None = None
+    status: str = "in_progress"
+    status_details: dict | None = None
+    usage: dict | None = None
+
+    @property
+    def in_conversation(self) -> bool:
+        return self.params.conversation == "auto"
+
+    @property
+    def extends_session(self) -> bool:
+        """Whether this turn continues the session's append-only prompt (and may pin its blocks)."""
+        return self.in_conversation and self.items is None
+
+
+class TextOutput:
+    """Streams an `output_text` part: content_part.added → output_text.delta* → output_text.done/content_part.done."""
+
+    def __init__(self, session: "RealtimeSession", resp: ActiveResponse) -> None:
+        self.session, self.resp = session, resp
+        self.part = {"type": "output_text", "text": ""}
+        resp.item.content.append(self.part)
+        self._ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0, "content_index": 0}
+        session.send({"type": "response.content_part.added", **self._ids, "part": {"type": "text", "text": ""}})
+
+    def delta(self, text: str) -> None:
+        self.part["text"] += text
+        self.session.send({"type": "response.output_text.delta", **self._ids, "delta": text})
+
+    def done(self) -> None:
+        text = self.part["text"]
+        self.session.send({"type": "response.output_text.done", **self._ids, "text": text})
+        self.session.send({"type": "response.content_part.done", **self._ids, "part": {"type": "text", "text": text}})
+
+
+class RealtimeSession:
+    def __init__(self, ws: WebSocket, engine, renderer: PromptRenderer, metrics: Metrics, hs: Handshake,
+                 limits: SessionLimits | None = None) -> None:
+        self.ws, self.engine, self.renderer, self.metrics, self.hs = ws, engine, renderer, metrics, hs
+        self.limits = limits or SessionLimits()
+        self.dialect = hs.dialect
+        self.id = p.new_id("sess")
+        self.config = sc.default_session(self.id, hs.model or engine.model_name)
+        self.conversation = Conversation()
+        self.active: ActiveResponse | None = None
+        self.rendered: Rendered | None = None  # the append-only prompt state (last prompt + its answer)
+        self.tts = None  # audio output sink factory, set by the audio integration
+        self.closed = asyncio.Event()
+        self.close_reason: str | None = None
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue(self.limits.send_queue_max)
+        self._stop_ids = _stop_token_ids(engine.tokenizer)
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    async def run(self) -> None:
+        """Serve the accepted connection until it closes; frees the engine request and pinned blocks on the way out."""
+        self.metrics.sessions_active.inc()
+        writer = asyncio.create_task(self._writer(), name=f"{self.id}-writer")
+        reader = asyncio.create_task(self._reader(), name=f"{self.id}-reader")
+        closer = asyncio.create_task(self.closed.wait())
+        try:
+            self.send({"type": "session.created", "session": sc.render(self.config, self.dialect)})
+            if self.dialect == p.BETA:
+                self.send({"type": "conversation.created",
+                           "conversation": {"id": self.conversation.id, "object": "realtime.conversation"}})
+            await asyncio.wait({writer, reader, closer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await self._teardown(reader, writer, closer)
+            self.metrics.sessions_active.dec()
+
+    async def _teardown(self, *tasks: asyncio.Task) -> None:
+        resp = self.active
+        if resp is not None and resp.task is not None:
+            resp.task.cancel()
+            with contextlib.suppress(BaseException):
+                await resp.task
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        self.engine.release_session(self.id)
+        if self.close_reason and self.close_reason != "client closed":
+            log.info("session %s closed: %s", self.id, self.close_reason)
+
+    def close(self, reason: str) -> None:
+        if not self.closed.is_set():
+            self.close_reason = reason
+            self.closed.set()
+
+    # --------------------------------------------------------------------------------------------- outgoing
+    def send(self, event: dict) -> None:
+        """Queue one GA-shaped server event (never blocks); a full queue means the client stopped reading."""
+        if self.closed.is_set():
+            return
+        event = p.to_dialect({"event_id": p.new_id("event"), **event}, self.dialect)
+        if event is None:
+            return
+        try:
+            self._queue.put_nowait(p.dumps(event))
+        except asyncio.QueueFull:
+            self.close(f"client not reading: {self.limits.send_queue_max} events queued")
+
+    async def _writer(self) -> None:
+        while True:
+            frame = await self._queue.get()
+            try:
+                await asyncio.wait_for(self.ws.send_text(frame), self.limits.send_timeout_s)
+            except asyncio.TimeoutError:
+                self.close(f"client not reading: a send blocked {self.limits.send_timeout_s:.0f} s")
+                return
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                self.close("client closed")
+                return
+
+    # --------------------------------------------------------------------------------------------- incoming
+    async def _reader(self) -> None:
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                self.close("client closed")
+                return
+            data = message.get("text")
+            if data is None:
+                data = message.get("bytes") or b""
+            event: Any = None
+            try:
+                event = p.parse_frame(data)
+                handler = self._handlers.get(event["type"])
+                if handler is None:
+                    raise p.ProtocolError(f"Invalid value: '{event['type'][:100]}'. Supported values are: "
+                                          + ", ".join(f"'{t}'" for t in self._handlers) + ".", "invalid_value",
+                                          "type")
+                handler(self, event)
+            except p.ProtocolError as err:
+                self.send(p.error_event(err, p.client_event_id(event)))
+            except Exception as exc:  # a bug must not end the session silently
+                log.exception("session %s: handler failed", self.id)
+                self.send(p.error_event(p.ProtocolError(f"Internal error: {exc}", None, None, "server_error"),
+                                        p.client_event_id(event)))
+
+    # --------------------------------------------------------------------------------------------- handlers
+    def _on_session_update(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "session"}, "")
+        update = p.get_dict(event, "session", "session", required=True)
+        self.config = sc.apply_update(self.config, update, self.dialect)
+        self.send({"type": "session.updated", "session": sc.render(self.config, self.dialect)})
+
+    def _on_item_create(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "item", "previous_item_id"}, "")
+        raw = p.get_dict(event, "item", "item", required=True)
+        previous = p.get_str(event, "previous_item_id", "previous_item_id", nullable=True)
+        item = parse_item(raw, "item")
+        self._check_audio_parts(item)
+        self.add_item(item, previous)
+
+    def add_item(self, item: Item, previous_item_id: str | None = None) -> None:
+        """Insert into the conversation and announce it (also the hook for committed audio)."""
+        before = self.conversation.insert(item, previous_item_id)
+        self.send({"type": "conversation.item.added", "previous_item_id": before, "item": item.to_dict()})
+        self.send({"type": "conversation.item.done", "previous_item_id": before, "item": item.to_dict()})
+
+    def _on_item_delete(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "item_id"}, "")
+        item_id = p.get_str(event, "item_id", "item_id", required=True)
+        self._check_not_generating(item_id)
+        self.conversation.delete(item_id)
+        self.send({"type": "conversation.item.deleted", "item_id": item_id})
+
+    def _on_item_retrieve(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "item_id"}, "")
+        item = self.conversation.get(p.get_str(event, "item_id", "item_id", required=True))
+        self.send({"type": "conversation.item.retrieved", "item": item.to_dict(include_audio=True)})
+
+    def _on_item_truncate(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "item_id", "content_index", "audio_end_ms"}, "")
+        item_id = p.get_str(event, "item_id", "item_id", required=True)
+        index = p.get_int(event, "content_index", "content_index", required=True, lo=0)
+        end_ms = p.get_int(event, "audio_end_ms", "audio_end_ms", required=True, lo=0)
+        item = self.conversation.get(item_id)
+        if item.type != "message" or item.role != "assistant":
+            raise p.ProtocolError("Only assistant messages can be truncated.", "invalid_value", "item_id")
+        if index >= len(item.content):
+            raise p.bad_value("content_index", index, f"an index below {len(item.content)}")
+        self._check_not_generating(item_id)
+        truncate_part(item, index, end_ms)
+        self.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": index,
+                   "audio_end_ms": end_ms})
+
+    def _on_response_create(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "response"}, "")
+        if self.active is not None:
+            raise p.ProtocolError(f"Conversation already has an active response in progress: {self.active.id}. "
+                                  "Wait until the response is finished before creating a new one.",
+                                  "conversation_already_has_active_response", None)
+        params = sc.response_params(self.config, event.get("response"), self.dialect)
+        items = self._resolve_input(params.input) if params.input is not None else None
+        modalities = params.output_modalities if self.tts is not None else ["text"]
+        resp = ActiveResponse(p.new_id("resp"), params, request_id=None, items=items, output_modalities=modalities)
+        resp.request_id = f"{self.id}-{resp.id}"
+        self.active = resp
+        self.send({"type": "response.created", "response": self._response_dict(resp)})
+        self._send_rate_limits()
+        resp.task = asyncio.create_task(self._run_response(resp), name=resp.id)
+
+    def _on_response_cancel(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "response_id"}, "")
+        response_id = p.get_str(event, "response_id", "response_id", nullable=True)
+        if self.active is None or (response_id and response_id != self.active.id):
+            raise p.ProtocolError("Cancellation failed: no active response found.", "response_cancel_not_active",
+                                  "response_id" if response_id else None)
+        self.cancel_response("client_cancelled")
+
+    def _on_audio_unavailable(self, event: dict) -> None:
+        raise p.ProtocolError(f"{event['type']} is not available: this server runs without the audio stage.",
+                              "audio_unavailable", "type")
+
+    _handlers = {
+        "session.update": _on_session_update,
+        "conversation.item.create": _on_item_create,
+        "conversation.item.delete": _on_item_delete,
+        "conversation.item.retrieve": _on_item_retrieve,
+        "conversation.item.truncate": _on_item_truncate,
+        "response.create": _on_response_create,
+        "response.cancel": _on_response_cancel,
+        "input_audio_buffer.append": _on_audio_unavailable,
+        "input_audio_buffer.commit": _on_audio_unavailable,
+        "input_audio_buffer.clear": _on_audio_unavailable,
+        "output_audio_buffer.clear": _on_audio_unavailable,
+    }
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def cancel_response(self, reason: str) -> bool:
+        """Cancel the active response (client_cancelled | turn_detected); its task sends response.done."""
+        resp = self.active
+        if resp is None or resp.cancel_reason is not None:
+            return False
+        resp.cancel_reason = reason
+        resp.task.cancel()
+        return True
+
+    def _check_audio_parts(self, item: Item) -> None:
+        for i, part in enumerate(item.content):
+            if part["type"] == "input_audio" and part.get("transcript") is None:
+                raise p.ProtocolError("input_audio content needs the audio stage (not available); send "
+                                      "input_text or a transcript.", "audio_unavailable", f"item.content[{i}]")
+
+    def _check_not_generating(self, item_id: str) -> None:
+        if self.active is not None and self.active.item is not None and self.active.item.id == item_id:
+            raise p.ProtocolError(f"Item {item_id} is still being generated.", "item_in_progress", "item_id")
+
+    def _resolve_input(self, raw_items: list) -> list[Item]:
+        items = []
+        for i, raw in enumerate(raw_items):
+            if isinstance(raw, dict) and raw.get("type") == "item_reference":
+                items.append(self.conversation.get(p.get_str(raw, "id", f"response.input[{i}].id", required=True),
+                                                   f"response.input[{i}].id"))
+            else:
+                item = parse_item(raw, f"response.input[{i}]")
+                self._check_audio_parts(item)
+                items.append(item)
+        return items
+
+    def _send_rate_limits(self) -> None:
+        """No quotas here: report the engine's capacity (sequences, KV tokens) as the limits clients pace by."""
+        stats = self.engine.stats()
+        args = getattr(getattr(self.engine, "engine", None), "args", None)
+        block = getattr(args, "block_size", 16)
+        seqs = getattr(args, "max_num_seqs", 0)
+        free = stats.get("kv_blocks_free", 0)
+        self.send({"type": "rate_limits.updated", "rate_limits": [
+            {"name": "requests", "limit": seqs, "reset_seconds": 0.0,
+             "remaining": max(0, seqs - stats.get("requests_running", 0) - stats.get("requests_waiting", 0))},
+            {"name": "tokens", "limit": stats.get("kv_blocks_total", 0) * block, "remaining": free * block,
+             "reset_seconds": 0.0}]})
+
+    def _response_dict(self, resp: ActiveResponse) -> dict:
+        return {"id": resp.id, "object": "realtime.response", "status": resp.status,
+                "status_details": resp.status_details,
+                "output": [resp.item.to_dict()] if resp.item is not None else [],
+                "conversation_id": self.conversation.id if resp.in_conversation else None,
+                "output_modalities": resp.output_modalities,
+                "max_output_tokens": resp.params.max_output_tokens,
+                "audio": {"output": {"format": self.config["audio"]["output"]["format"],
+                                     "voice": resp.params.voice}},
+                "metadata": resp.params.metadata, "usage": resp.usage}
+
+    # ---------------------------------------------------------------------------------------- the response
+    async def _build_prompt(self, resp: ActiveResponse) -> Rendered:
+        """Render the prompt (in a thread: templates and tokenizers are CPU work), dropping the oldest items while it
+        does not fit the model (OpenAI's `truncation: auto`)."""
+        items = list(resp.items if resp.items is not None else self.conversation.items)
+        previous = self.rendered if resp.extends_session else None
+        limit = self.engine.max_model_len - 1
+        while True:
+            prompt, _ = await asyncio.to_thread(self.renderer.render, to_messages(items, resp.params.instructions),
+                                                previous)
+            if len(prompt.ids) < limit or len(items) <= 1 or self.config.get("truncation") == "disabled":
+                return prompt
+            items = items[1:]
+            previous = None
+
+    def _open_output(self, resp: ActiveResponse):
+        """The sink that turns text deltas into events (audio integration: return a TTS sink when `self.tts`)."""
+        if self.tts is not None and resp.output_modalities == ["audio"]:
+            return self.tts(self, resp)
+        return TextOutput(self, resp)
+
+    async def _run_response(self, resp: ActiveResponse) -> None:
+        finished, out_ids, n_prompt, n_cached = False, [], 0, 0
+        prompt = None
+        output = None
+        try:
+            prompt = await self._build_prompt(resp)
+            room = self.engine.max_model_len - len(prompt.ids)
+            wanted = resp.params.max_output_tokens
+            max_tokens = min(room, self.limits.max_output_tokens if wanted == "inf" else wanted)
+            if max_tokens < 1:
+                raise PromptTooLongError(f"the conversation ({len(prompt.ids)} tokens) leaves no room to answer "
+                                         f"within the model's {self.engine.max_model_len}-token context")
+            sampling = SamplingParams(max_tokens=max_tokens, temperature=resp.params.temperature,
+                                      stop_token_ids=self._stop_ids)
+            resp.item = Item(p.new_id("item"), "message", role="assistant", status="in_progress")
+            self.send({"type": "response.output_item.added", "response_id": resp.id, "output_index": 0,
+                       "item": resp.item.to_dict()})
+            if resp.in_conversation:
+                before = self.conversation.insert(resp.item)
+                self.send({"type": "conversation.item.added", "previous_item_id": before,
+                           "item": resp.item.to_dict()})
+            output = self._open_output(resp)
+            loop = asyncio.get_running_loop()
+            timer = LatencyTimer(self.metrics, "realtime", loop.time())
+            gen = self.engine.generate(resp.request_id, prompt.ids, sampling, priority=REALTIME_PRIORITY,
+                                       cache_salt=self.hs.cache_salt,
+                                       session_id=self.id if resp.extends_session else None)
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    out_ids.extend(out.new_token_ids)
+                    n_prompt, n_cached = out.num_prompt_tokens, out.num_cached_tokens
+                    if out.text_delta:
+                        timer.mark(loop.time())
+                        output.delta(out.text_delta)
+                    if out.finished:
+                        finished = True
+                        if out.finish_reason == "length":
+                            resp.status = "incomplete"
+                            resp.status_details = {"type": "incomplete", "reason": "max_output_tokens"}
+                        elif out.finish_reason == "abort":
+                            resp.status = "cancelled"
+                            resp.status_details = {"type": "cancelled", "reason": "client_cancelled"}
+                        else:
+                            resp.status = "completed"
+                            resp.status_details = None
+        except asyncio.CancelledError:
+            if not finished:
+                await self._abort(resp.request_id)
+            if resp.cancel_reason is None:  # the session is closing: nobody to tell
+                self.active = None
+                raise
+            resp.status = "cancelled"
+            resp.status_details = {"type": "cancelled", "reason": resp.cancel_reason}
+        except (PromptTooLongError, InvalidRequestError) as exc:
+            resp.status = "failed"
+            resp.status_details = {"type": "failed", "error": {"type": "invalid_request_error",
+                                                               "code": type(exc).__name__, "message": str(exc)}}
+        except EngineError as exc:
+            resp.status = "failed"
+            resp.status_details = {"type": "failed", "error": {"type": "server_error", "code": "engine_error",
+                                                               "message": str(exc)}}
+        except Exception as exc:
+            log.exception("response %s failed", resp.id)
+            resp.status = "failed"
+            resp.status_details = {"type": "failed", "error": {"type": "server_error", "code": None,
+                                                               "message": f"internal error: {exc}"}}
+        self._finish_response(resp, prompt, output, out_ids, n_prompt, n_cached)
+
+    async def _abort(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self.engine.abort(request_id))
+
+    def _finish_response(self, resp: ActiveResponse, prompt: Rendered | None, output, out_ids: list[int],
+                         n_prompt: int, n_cached: int) -> None:
+        if resp.item is not None:
+            resp.item.status = "completed" if resp.status == "completed" else "incomplete"
+            if output is not None:
+                output.done()
+            item = resp.item.to_dict()
+            self.send({"type": "response.output_item.done", "response_id": resp.id, "output_index": 0,
+                       "item": item})
+            if resp.in_conversation and resp.item.id in self.conversation:
+                index = next(i for i, it in enumerate(self.conversation.items) if it.id == resp.item.id)
+                before = self.conversation.items[index - 1].id if index else None
+                self.send({"type": "conversation.item.done", "previous_item_id": before, "item": item})
+        if resp.extends_session and prompt is not None and resp.item is not None:
+            self.rendered = self.renderer.extend(prompt, out_ids)
+        n_out = len(out_ids)
+        resp.usage = {"total_tokens": n_prompt + n_out, "input_tokens": n_prompt, "output_tokens": n_out,
+                      "input_token_details": {"text_tokens": n_prompt, "audio_tokens": 0, "image_tokens": 0,
+                                              "cached_tokens": n_cached,
+                                              "cached_tokens_details": {"text_tokens": n_cached,
+                                                                        "audio_tokens": 0, "image_tokens": 0}},
+                      "output_token_details": {"text_tokens": n_out, "audio_tokens": 0}}
+        self.active = None
+        self.send({"type": "response.done", "response": self._response_dict(resp)})
+
+
+def _stop_token_ids(tokenizer) -> list[int]:
+    """EOS plus the chat template's end-of-turn token, so answers end where the template closes a message."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+            ids.add(tid)
+    return sorted(ids)

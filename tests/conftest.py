@@ -1,0 +1,101 @@
+"""Shared fixtures: one real server (real engine, default model) for the whole test session.
+
+`server` runs uvicorn in a background thread on a free port with the product app (`gateway.app.create_app`) around one
+shared AsyncEngine. The same app is also mounted under `/auth` with an API key configured (same engine), for tests of
+authentication; everything else uses the open root. Tests reach engine stats through `server.stats()`.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+API_KEY = "test-key-123"
+
+
+@dataclass
+class Server:
+    host: str
+    port: int
+    engine: object  # engine.AsyncEngine
+    app: object
+    api_key: str = API_KEY
+
+    @property
+    def base_url(self) -> str:  # OpenAI SDK base_url (HTTP API)
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def ws_base_url(self) -> str:  # OpenAI SDK websocket_base_url
+        return f"ws://{self.host}:{self.port}/v1"
+
+    @property
+    def realtime_url(self) -> str:
+        return f"ws://{self.host}:{self.port}/v1/realtime"
+
+    @property
+    def root_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def auth_prefix(self) -> str:  # the same app with `api_key` required
+        return f"{self.host}:{self.port}/auth"
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def metrics_text(self) -> str:
+        return httpx.get(f"{self.root_url}/metrics", timeout=10).text
+
+    async def wait_idle(self, timeout: float = 30.0, pinned_ok: bool = False) -> dict:
+        """Wait until the engine has no running/waiting request (and, unless pinned_ok, no used block)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            idle = s["requests_running"] == 0 and s["requests_waiting"] == 0
+            if idle and (pinned_ok or s["kv_blocks_used"] == 0):
+                return s
+            if time.monotonic() > deadline:
+                return s
+            await asyncio.sleep(0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server():
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    from engine import AsyncEngine
+    from gateway.app import WS_MAX_SIZE, Settings, create_app
+
+    engine = AsyncEngine(kv_cache_memory="512MiB", max_num_seqs=64)
+    open_app = create_app(Settings(), engine=engine)
+    keyed_app = create_app(Settings(api_key=API_KEY), engine=engine)
+    root = Starlette(routes=[Mount("/auth", app=keyed_app), Mount("/", app=open_app)])
+    port = _free_port()
+    config = uvicorn.Config(root, host="127.0.0.1", port=port, ws_max_size=WS_MAX_SIZE, log_level="warning",
+                            lifespan="off")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("test server did not start")
+        time.sleep(0.05)
+    yield Server("127.0.0.1", port, engine, open_app)
+    uv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
