@@ -31,6 +31,7 @@ const state = {
   talking: false,          // push-to-talk: currently sending audio
   speaking: false,         // server VAD says the user is speaking
   responseActive: false,
+  cancelling: false,       // response.cancel sent, waiting for its response.done
   playbackStarted: false,  // the current/last reply's audio has actually started playing
   playing: false,          // reply audio is playing right now
   playedMs: 0,             // ms of the current/last reply's audio played so far
@@ -234,6 +235,8 @@ function connect() {
   ws = sock;
   samplesSent = 0;
   sentMarks.length = 0;
+  pendingCreate = false;
+  state.cancelling = false;
   userClosed = false;
   opened = false;
   setConnection('connecting');
@@ -390,6 +393,8 @@ function onEvent(m) {
     case 'response.done': {
       const r = m.response || {};
       state.responseActive = false;
+      state.cancelling = false;
+      if (pendingCreate) { pendingCreate = false; send({ type: 'response.create' }); }
       const t = turnForResponse(r.id);
       if (t && r.status === 'cancelled') { t.interrupted = true; render(t); }
       if (r.status === 'failed') {
@@ -454,7 +459,7 @@ function ensureAudio() {
 
 // Playback: each delta becomes an AudioBufferSourceNode scheduled right after the previous one. The first chunk of a reply
 // (and the chunk after an underrun) starts a little in the future: that lead is the jitter buffer.
-const player = { itemId: null, responseId: null, segments: [], sources: new Set(), end: 0, timer: null };
+const player = { itemId: null, responseId: null, segments: [], sources: new Set(), end: 0, timer: null, cutMs: null };
 
 function decodePcm16(b64) {
   const s = atob(b64);
@@ -476,6 +481,7 @@ function playChunk(itemId, responseId, b64) {
     // A new audio item: play it after whatever is still queued (or right away with the jitter lead).
     player.itemId = itemId;
     player.responseId = responseId;
+    player.cutMs = null;
     player.segments = player.segments.filter((s) => s.start + s.dur > c.currentTime);
     player.segments.forEach((s) => { s.old = true; });
   }
@@ -517,7 +523,8 @@ function tickPlayback() {
   if (playing) setPill(ui.playback, 'playing', `playing ${(state.playedMs / 1000).toFixed(1)} s`);
   else if (now < player.end) setPill(ui.playback, 'buffering', 'buffering');
   else {
-    setPill(ui.playback, 'idle', state.playbackStarted ? `played ${(state.playedMs / 1000).toFixed(1)} s` : 'audio idle');
+    setPill(ui.playback, 'idle', player.cutMs != null ? `interrupted at ${(player.cutMs / 1000).toFixed(1)} s`
+      : state.playbackStarted ? `played ${(state.playedMs / 1000).toFixed(1)} s` : 'audio idle');
     if (!state.responseActive) { clearInterval(player.timer); player.timer = null; }
   }
 }
@@ -542,6 +549,7 @@ function bargeIn() {
   if (!audioPending && !state.responseActive) return;
   const heard = Math.floor(stopPlayback());
   state.playedMs = heard;
+  player.cutMs = heard;
   if (cur && cur.responseId) interrupted.add(cur.responseId);
   if (rid) interrupted.add(rid);
   if (audioPending) {
@@ -638,7 +646,7 @@ let pressAt = 0;
 function beginTalk() {
   if (state.talking) return;
   bargeIn();
-  if (state.responseActive) send({ type: 'response.cancel' });
+  cancelActiveResponse();
   send({ type: 'input_audio_buffer.clear' });
   state.talking = true;
   newTurn('listening');
@@ -655,7 +663,7 @@ function endTalk(commit = true) {
   setTimeout(() => {
     if (cur) cur.anchor = performance.now();
     send({ type: 'input_audio_buffer.commit' });
-    send({ type: 'response.create' });
+    requestResponse();
     setPill(ui.vad, 'thinking', 'thinking');
   }, 30);
 }
@@ -680,12 +688,29 @@ function onMicClick() {
   if (state.micOn) stopMic(); else startMic();
 }
 
+// One response at a time: a turn that arrives while a reply is still running cancels it, and its response.create waits
+// for that reply's response.done (the server refuses a second active response).
+let pendingCreate = false;
+function cancelActiveResponse() {
+  if (state.responseActive && !state.cancelling) {
+    state.cancelling = true;
+    send({ type: 'response.cancel' });
+  }
+}
+function requestResponse() {
+  if (state.responseActive) {
+    cancelActiveResponse();
+    pendingCreate = true;
+  } else {
+    send({ type: 'response.create' });
+  }
+}
+
 // ------------------------------------------------------------------------------------------------------------ text
 function sendText(text) {
   text = (text == null ? ui.textInput.value : String(text)).trim();
   if (!text || !state.connected) return false;
   bargeIn();
-  if (state.responseActive) send({ type: 'response.cancel' });
   const t = newTurn('typed');
   t.user = text;
   t.anchor = performance.now();
@@ -694,7 +719,7 @@ function sendText(text) {
     type: 'conversation.item.create',
     item: { type: 'message', role: 'user', content: [{ type: 'input_text', text }] },
   });
-  send({ type: 'response.create' });
+  requestResponse();
   ui.textInput.value = '';
   return true;
 }
