@@ -29,6 +29,7 @@ RTSERVE = Path(sys.executable).parent / "rtserve"
 SPOKEN = "Tell me a long story about a dragon."
 SPOKEN_KEYWORDS = ("story", "dragon")
 TYPED = "What is the capital of France?"
+STORYTELLER = "You are a storyteller. Always answer with a long and detailed story of at least ten sentences."
 
 pytestmark = pytest.mark.slow  # every wait below is bounded; the whole file takes about 1-3 minutes
 
@@ -233,6 +234,10 @@ def test_voice_turn_barge_in_and_typed_turn(gateway, browser, speech_wav, out_di
     wav, wav_s = speech_wav
     pg = Page(browser, gateway, viewport={"width": 1000, "height": 900})
     try:
+        # A long reply, so that there is still audio playing when we talk over it.
+        pg.page.locator("#settings summary").click()
+        pg.tid("instructions").fill(STORYTELLER)
+        pg.page.locator("#settings summary").click()
         pg.connect()
         assert pg.state()["error"] is None
         pg.tid("mic").click()  # server VAD is on by default; the fake mic starts playing the wav now

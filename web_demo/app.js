@@ -401,7 +401,7 @@ function onEvent(m) {
         const d = r.status_details && (r.status_details.error || r.status_details);
         showError(`The reply failed: ${(d && (d.message || d.reason || d.type)) || 'server error'}`);
       }
-      if (!state.speaking) setPill(ui.vad, 'idle', state.micOn ? 'listening' : 'idle');
+      if (!state.speaking) setPill(ui.vad, 'idle', state.micOn ? 'listening' : 'mic off');
       break;
     }
     case 'conversation.item.truncated':
@@ -618,7 +618,7 @@ function stopMic() {
   Object.assign(mic, { stream: null, ctx: null, src: null, node: null, sink: null });
   state.micOn = false;
   state.speaking = false;
-  setPill(ui.vad, 'idle', 'idle');
+  setPill(ui.vad, 'idle', 'mic off');
   micUi();
 }
 
