@@ -131,3 +131,154 @@ async def test_sdk_beta_three_turns(server):
             assert response["output"][0]["content"][0]["type"] == "text"
             assert response["output"][0]["content"][0]["text"] == text
     await server.wait_idle()
+
+
+# ------------------------------------------------------------------------------------------------ raw websockets
+
+class Raw:
+    """A raw `websockets` client that validates every server event against the SDK union of its dialect."""
+
+    def __init__(self, ws, adapter: TypeAdapter = GA_EVENTS):
+        self.ws, self.adapter, self.n = ws, adapter, 0
+
+    async def send(self, event: dict | str | bytes) -> None:
+        await self.ws.send(event if isinstance(event, (str, bytes)) else orjson.dumps(event).decode())
+
+    async def recv(self, timeout: float = 60) -> dict:
+        data = orjson.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+        self.adapter.validate_python(data, strict=True)
+        return data
+
+    async def until(self, etype: str, timeout: float = 60) -> list[dict]:
+        events = []
+        while True:
+            events.append(await self.recv(timeout))
+            if events[-1]["type"] == etype:
+                return events
+
+    async def say(self, text: str, **item) -> dict:
+        await self.send({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}], **item}})
+        return (await self.until("conversation.item.done"))[-1]
+
+    async def respond(self, response: dict | None = None) -> tuple[str, dict, list[dict]]:
+        await self.send({"type": "response.create", **({"response": response} if response else {})})
+        events = await self.until("response.done")
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        return text, events[-1]["response"], events
+
+
+async def open_raw(server, max_output_tokens: int = 16, instructions: str | None = None, **kw) -> Raw:
+    ws = await websockets.connect(server.realtime_url, max_size=None, **kw)
+    raw = Raw(ws)
+    assert (await raw.recv())["type"] == "session.created"
+    session = {"type": "realtime", "output_modalities": ["text"], "max_output_tokens": max_output_tokens}
+    if instructions is not None:
+        session["instructions"] = instructions
+    await raw.send({"type": "session.update", "session": session})
+    assert (await raw.recv())["type"] == "session.updated"
+    return raw
+
+
+async def test_handshake_subprotocols_and_auth(server):
+    key_url = f"ws://{server.auth_prefix}/v1/realtime?model=gpt-realtime"
+    # Browser style: `realtime` + key subprotocol → `realtime` echoed, authenticated.
+    async with websockets.connect(key_url, subprotocols=["realtime", f"openai-insecure-api-key.{server.api_key}"]) \
+            as ws:
+        assert ws.subprotocol == "realtime"
+        created = await Raw(ws).recv()
+        assert created["type"] == "session.created" and created["session"]["model"] == "gpt-realtime"
+    # Nothing offered → nothing selected (the Python SDK fails the handshake otherwise).
+    async with websockets.connect(server.realtime_url) as ws:
+        assert ws.subprotocol is None
+        assert (await Raw(ws).recv())["type"] == "session.created"
+    # Bearer header and ?api-key= also authenticate.
+    async with websockets.connect(key_url, additional_headers={"Authorization": f"Bearer {server.api_key}"}) as ws:
+        assert (await Raw(ws).recv())["type"] == "session.created"
+    async with websockets.connect(key_url + f"&api-key={server.api_key}") as ws:
+        assert (await Raw(ws).recv())["type"] == "session.created"
+    # Wrong or missing key → refused before the upgrade.
+    for kwargs in ({"subprotocols": ["realtime", "openai-insecure-api-key.wrong"]},
+                   {"additional_headers": {"Authorization": "Bearer wrong"}}, {}):
+        with pytest.raises(websockets.exceptions.InvalidStatus) as info:
+            async with websockets.connect(key_url, **kwargs):
+                pass
+        assert info.value.response.status_code == 401
+    # The beta dialect by subprotocol (browsers cannot set the OpenAI-Beta header).
+    async with websockets.connect(server.realtime_url, subprotocols=["realtime", "openai-beta.realtime-v1"]) as ws:
+        assert ws.subprotocol == "realtime"
+        raw = Raw(ws, BETA_EVENTS)
+        assert "modalities" in (await raw.recv())["session"]
+        assert (await raw.recv())["type"] == "conversation.created"
+    # A foreign browser origin is refused; the same origin is fine.
+    with pytest.raises(websockets.exceptions.InvalidStatus) as info:
+        async with websockets.connect(server.realtime_url, origin="http://evil.example"):
+            pass
+    assert info.value.response.status_code == 403
+    async with websockets.connect(server.realtime_url, origin=server.root_url) as ws:
+        assert (await Raw(ws).recv())["type"] == "session.created"
+
+
+async def test_prefix_reuse_across_turns(server):
+    """Turn N's prompt is turn N-1's prompt + answer + the new user turn; only the new turn is prefilled."""
+    block = server.engine.engine.args.block_size
+    raw = await open_raw(server, max_output_tokens=16,
+                         instructions="You are a helpful assistant who answers every question briefly. " * 8)
+    previous = None
+    for n, question in enumerate(["Tell me about the moon.", "What about the sun?", "And Mars?", "And Venus?"]):
+        await raw.say(question)
+        hits_before = server.stats()["prefix_cache_hits"]
+        _, response, _ = await raw.respond()
+        usage = response["usage"]
+        cached = usage["input_token_details"]["cached_tokens"]
+        assert server.stats()["prefix_cache_hits"] - hits_before >= cached
+        if previous is not None:
+            carried = previous["input_tokens"] + previous["output_tokens"]  # what the last turn left in the cache
+            new_turn = usage["input_tokens"] - carried
+            assert new_turn > 0
+            # everything before the new turn is served from the cache, up to the last partial block
+            assert cached >= (carried - 1) // block * block, (n, usage, previous)
+            assert usage["input_tokens"] - cached <= new_turn + block
+        previous = usage
+    await raw.ws.close()
+    await server.wait_idle()
+    assert server.stats()["kv_blocks_used"] == 0
+
+
+async def test_cancel_mid_stream_frees_blocks(server):
+    await server.wait_idle()
+    raw = await open_raw(server, max_output_tokens=4096)
+    await raw.say("Write a very long story about a dragon and a knight, with many details.")
+    await raw.send({"type": "response.create", "response": {"max_output_tokens": "inf"}})
+    events = []
+    while True:
+        events.append(await raw.recv())
+        if events[-1]["type"] == "response.output_text.delta":
+            break
+    await raw.send({"type": "response.cancel", "event_id": "evt_cancel_1"})
+    events += await raw.until("response.done")
+    response = events[-1]["response"]
+    assert response["status"] == "cancelled"
+    assert response["status_details"]["reason"] == "client_cancelled"
+    assert response["output"][0]["status"] == "incomplete"
+    assert not [e for e in events if e["type"] == "error"]
+    s = await server.wait_idle()
+    assert s["requests_running"] == 0 and s["kv_blocks_used"] == 0  # aborted: nothing held, nothing pinned
+    # The session goes on; the cancelled partial answer stays in the conversation.
+    await raw.say("Just say hello.")
+    _, response, _ = await raw.respond({"max_output_tokens": 8})
+    assert response["status"] in ("completed", "incomplete")
+    await raw.ws.close()
+
+
+async def test_disconnect_mid_response_aborts(server):
+    await server.wait_idle()
+    raw = await open_raw(server, max_output_tokens=4096)
+    await raw.say("Count from one to one thousand in words.")
+    await raw.send({"type": "response.create"})
+    while (await raw.recv())["type"] != "response.output_text.delta":
+        pass
+    assert server.stats()["requests_running"] + server.stats()["requests_waiting"] == 1
+    await raw.ws.close()
+    s = await server.wait_idle()
+    assert s["requests_running"] == 0 and s["requests_waiting"] == 0 and s["kv_blocks_used"] == 0
