@@ -191,14 +191,15 @@ def parse_frame(data: str | bytes) -> dict:
         raise ProtocolError(f"The event is not valid JSON: {e}.", "invalid_json", None) from None
     if not isinstance(event, dict):
         raise ProtocolError("The event must be a JSON object.", "invalid_json", None)
-    etype = event.get("type")
-    if etype is None:
-        raise missing("type")
-    if not isinstance(etype, str):
-        raise wrong_type("type", "a string", etype)
     eid = event.get("event_id")
     if eid is not None and not isinstance(eid, str):
         raise wrong_type("event_id", "a string", eid)
+    etype = event.get("type")
+    err = missing("type") if etype is None else None if isinstance(etype, str) else wrong_type("type", "a string",
+                                                                                               etype)
+    if err is not None:
+        err.event_id = eid
+        raise err
     return event
 
 

@@ -282,3 +282,145 @@ async def test_disconnect_mid_response_aborts(server):
     await raw.ws.close()
     s = await server.wait_idle()
     assert s["requests_running"] == 0 and s["requests_waiting"] == 0 and s["kv_blocks_used"] == 0
+
+
+async def expect_error(raw: Raw, event: dict | str | bytes, code: str, param: str | None,
+                       event_id: str | None) -> dict:
+    """Send one bad event; the very next event must be one `error` naming it."""
+    await raw.send(event)
+    ev = await raw.recv()
+    assert ev["type"] == "error", ev
+    err = ev["error"]
+    assert (err["code"], err["param"], err["event_id"]) == (code, param, event_id), err
+    assert err["type"] == "invalid_request_error" and err["message"]
+    return err
+
+
+async def test_errors_each_answered_once_and_session_continues(server):
+    from gateway.protocol import MAX_FRAME_BYTES
+
+    raw = await open_raw(server, max_output_tokens=12)
+    await expect_error(raw, "{not json", "invalid_json", None, None)
+    await expect_error(raw, "[1, 2]", "invalid_json", None, None)
+    await expect_error(raw, {"event_id": "e1"}, "missing_required_parameter", "type", "e1")
+    await expect_error(raw, {"type": "no.such.event", "event_id": "e2"}, "invalid_value", "type", "e2")
+    await expect_error(raw, {"type": "conversation.item.create", "event_id": "e3"},
+                       "missing_required_parameter", "item", "e3")
+    await expect_error(raw, {"type": "conversation.item.create", "event_id": "e4",
+                             "item": {"type": "message", "role": "user", "content": [{"type": "input_text"}]}},
+                       "missing_required_parameter", "item.content[0].text", "e4")
+    await expect_error(raw, {"type": "conversation.item.create", "event_id": "e5",
+                             "item": {"type": "message", "role": "robot", "content": []}},
+                       "invalid_value", "item.role", "e5")
+    await expect_error(raw, {"type": "session.update", "event_id": "e6", "session": {"instructions": 5}},
+                       "invalid_type", "session.instructions", "e6")
+    await expect_error(raw, {"type": "session.update", "event_id": "e7", "session": {"max_output_tokens": 0}},
+                       "invalid_value", "session.max_output_tokens", "e7")
+    await expect_error(raw, {"type": "session.update", "event_id": "e8", "session": {"bogus": 1}},
+                       "unknown_parameter", "session.bogus", "e8")
+    await expect_error(raw, {"type": "response.create", "event_id": "e9", "response": {"max_output_tokens": "x"}},
+                       "invalid_type", "response.max_output_tokens", "e9")
+    await expect_error(raw, {"type": "response.cancel", "event_id": "e10"}, "response_cancel_not_active", None,
+                       "e10")
+    await expect_error(raw, {"type": "conversation.item.delete", "event_id": "e11", "item_id": "item_nope"},
+                       "item_not_found", "item_id", "e11")
+    await expect_error(raw, {"type": "conversation.item.retrieve", "event_id": "e12", "item_id": "item_nope"},
+                       "item_not_found", "item_id", "e12")
+    await expect_error(raw, {"type": "conversation.item.truncate", "event_id": "e13", "item_id": "item_nope",
+                             "content_index": 0, "audio_end_ms": 0}, "item_not_found", "item_id", "e13")
+    await expect_error(raw, {"type": "conversation.item.truncate", "event_id": "e14", "item_id": "x",
+                             "content_index": "0", "audio_end_ms": 0}, "invalid_type", "content_index", "e14")
+    await expect_error(raw, {"type": "conversation.item.create", "event_id": "e15", "previous_item_id": "item_nope",
+                             "item": {"type": "message", "role": "user",
+                                      "content": [{"type": "input_text", "text": "hi"}]}},
+                       "item_not_found", "previous_item_id", "e15")
+    await expect_error(raw, {"type": "input_audio_buffer.append", "event_id": "e16", "audio": ""},
+                       "audio_unavailable", "type", "e16")
+    big = '{"type": "input_audio_buffer.append", "event_id": "e17", "audio": "' + "A" * MAX_FRAME_BYTES + '"}'
+    await expect_error(raw, big, "event_too_large", None, "e17")
+    # A second response.create while one is active.
+    await raw.say("Tell me a long story about the sea.")
+    await raw.send({"type": "response.create", "response": {"max_output_tokens": 64}})
+    await raw.send({"type": "response.create", "event_id": "e18"})
+    events = await raw.until("response.done")
+    errors = [e for e in events if e["type"] == "error"]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "conversation_already_has_active_response"
+    assert errors[0]["error"]["event_id"] == "e18"
+    # ... and after all that, a normal turn works.
+    await raw.say("Say hi.")
+    text, response, _ = await raw.respond()
+    assert response["status"] in ("completed", "incomplete") and text
+    await raw.ws.close()
+
+
+async def test_conversation_items_and_out_of_band_response(server):
+    raw = await open_raw(server, max_output_tokens=12)
+    first = await raw.say("My name is Ada.", id="msg_user_1")
+    assert first["item"]["id"] == "msg_user_1" and first["previous_item_id"] is None
+    await raw.send({"type": "conversation.item.create", "previous_item_id": "root", "item": {
+        "type": "message", "role": "system", "content": [{"type": "input_text", "text": "Speak like a pirate."}]}})
+    added, done = await raw.recv(), await raw.recv()
+    assert added["type"] == "conversation.item.added" and added["previous_item_id"] is None
+    assert done["type"] == "conversation.item.done"
+    system_id = added["item"]["id"]
+    assert system_id.startswith("item_")
+    await raw.send({"type": "conversation.item.create", "previous_item_id": "msg_user_1", "item": {
+        "id": "msg_asst_1", "type": "message", "role": "assistant",
+        "content": [{"type": "output_text", "text": "Ahoy Ada!"}]}})
+    added = (await raw.until("conversation.item.done"))[0]
+    assert added["previous_item_id"] == "msg_user_1"
+    await raw.send({"type": "conversation.item.create", "item": {"id": "msg_user_1", "type": "message",
+                    "role": "user", "content": [{"type": "input_text", "text": "dup"}]}})
+    assert (await raw.recv())["error"]["code"] == "item_id_already_exists"
+    await raw.send({"type": "conversation.item.retrieve", "item_id": "msg_asst_1"})
+    got = await raw.recv()
+    assert got["type"] == "conversation.item.retrieved"
+    assert got["item"]["content"] == [{"type": "output_text", "text": "Ahoy Ada!"}]
+    await raw.send({"type": "conversation.item.truncate", "item_id": "msg_asst_1", "content_index": 0,
+                    "audio_end_ms": 0})
+    truncated = await raw.recv()
+    assert truncated["type"] == "conversation.item.truncated" and truncated["item_id"] == "msg_asst_1"
+    await raw.send({"type": "conversation.item.truncate", "item_id": "msg_user_1", "content_index": 0,
+                    "audio_end_ms": 0})
+    assert (await raw.recv())["error"]["param"] == "item_id"
+    await raw.send({"type": "conversation.item.delete", "item_id": system_id})
+    assert (await raw.recv()) | {"event_id": None} == {"type": "conversation.item.deleted", "item_id": system_id,
+                                                       "event_id": None}
+    await raw.say("What is my name?")
+    text, response, _ = await raw.respond({"instructions": "Answer with one word.", "metadata": {"turn": "a"}})
+    assert response["metadata"] == {"turn": "a"} and response["conversation_id"].startswith("conv_")
+    # Out of band: conversation "none" with its own input; nothing is added to the conversation.
+    text, response, events = await raw.respond({
+        "conversation": "none", "metadata": {"kind": "classifier"}, "max_output_tokens": 6,
+        "instructions": "Reply with yes or no.",
+        "input": [{"type": "item_reference", "id": "msg_user_1"},
+                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Is it Ada?"}]}]})
+    assert response["conversation_id"] is None and response["metadata"] == {"kind": "classifier"}
+    assert not [e for e in events if e["type"].startswith("conversation.")]
+    assert response["usage"]["output_tokens"] <= 6
+    await raw.ws.close()
+
+
+@pytest.mark.slow
+async def test_32_concurrent_sessions(server):
+    await server.wait_idle()
+
+    async def one(i: int) -> list[dict]:
+        raw = await open_raw(server, max_output_tokens=16, instructions="You answer briefly.")
+        responses = []
+        for turn in range(2):
+            await raw.say(f"Session {i}, turn {turn}: name a fruit.")
+            _, response, _ = await raw.respond()
+            responses.append(response)
+        assert server.stats()["kv_blocks_pinned"] > 0  # the live session keeps its prefix
+        await raw.ws.close()
+        return responses
+
+    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(32))), 300)
+    assert len(results) == 32
+    for responses in results:
+        assert all(r["status"] in ("completed", "incomplete") for r in responses)
+        assert all(r["usage"]["output_tokens"] >= 1 for r in responses)
+    s = await server.wait_idle()
+    assert s["kv_blocks_used"] == 0 and s["kv_blocks_pinned"] == 0 and s["requests_running"] == 0
+    assert "rtserve_sessions_active 0.0" in server.metrics_text()
