@@ -9,6 +9,7 @@ loads take a fraction of a second.  Decoding is our own batched greedy loop so a
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import struct
@@ -218,6 +219,9 @@ class WhisperModel:
         self._suppress = mask
         self._suppress_begin = mask.clone()
         self._suppress_begin[list(suppress_begin)] = True
+        # transformers renamed ``past_key_values`` to ``cache`` during 5.x.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     # ---- loading
     @classmethod
@@ -297,9 +301,8 @@ class WhisperModel:
         inp = torch.tensor([[SOT, NO_TIMESTAMPS]] * b)
         max_new_tokens = min(max_new_tokens, self.model.config.max_target_positions - 2)
         for step in range(max_new_tokens):
-            out = self.model(encoder_outputs=(enc,), decoder_input_ids=inp, cache=cache,
-                             use_cache=True)
-            cache = out.past_key_values
+            out = self.model(encoder_outputs=(enc,), decoder_input_ids=inp, use_cache=True,
+                             **{self._cache_kw: cache})  # the cache is updated in place
             logits = out.logits[:, -1, :].float()
             logits.masked_fill_(self._suppress_begin if step == 0 else self._suppress, float("-inf"))
             nxt = logits.argmax(-1).tolist()
