@@ -1,0 +1,93 @@
+"""OpenAI HTTP API and /metrics against the real engine, through the official openai SDK and httpx."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+METRIC_NAMES = ["rtserve_sessions_active", "rtserve_requests_running", "rtserve_requests_waiting",
+                "rtserve_kv_blocks_total", "rtserve_kv_blocks_used", "rtserve_kv_blocks_cached",
+                "rtserve_prefix_cache_queries_total", "rtserve_prefix_cache_hits_total",
+                "rtserve_generated_tokens_total", "rtserve_time_to_first_token_seconds_bucket",
+                "rtserve_inter_token_latency_seconds_bucket"]
+
+
+def client(server, **kw) -> AsyncOpenAI:
+    return AsyncOpenAI(api_key="unused", base_url=server.base_url, **kw)
+
+
+async def test_chat_completions_non_streaming(server):
+    resp = await client(server).chat.completions.create(
+        model="anything", max_tokens=16, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a planet."}])
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl_")
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens >= 1 and resp.usage.prompt_tokens > 10
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+async def test_chat_completions_streaming(server):
+    stream = await client(server).chat.completions.create(
+        model="anything", max_tokens=16, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Say hello."}])
+    text, reasons, usage = [], [], None
+    async for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    assert "".join(text).strip() and len(reasons) == 1
+    assert usage is not None and usage.completion_tokens >= 1
+
+
+async def test_completions_and_models(server):
+    c = client(server)
+    resp = await c.completions.create(model="x", prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert resp.object == "text_completion" and resp.choices[0].text
+    assert resp.usage.completion_tokens <= 8
+    chunks = [ch async for ch in await c.completions.create(model="x", prompt="One, two,", max_tokens=6,
+                                                             stream=True)]
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    models = await c.models.list()
+    assert [m.id for m in models.data] == [server.engine.model_name]
+
+
+async def test_http_errors_and_auth(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as info:
+        await c.chat.completions.create(model="x", messages=[])
+    assert info.value.body["code"] == "invalid_value" and info.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError):
+        await c.chat.completions.create(model="x", max_tokens=4, temperature=-3,
+                                        messages=[{"role": "user", "content": "hi"}])
+    async with httpx.AsyncClient() as h:
+        r = await h.post(f"{server.base_url}/chat/completions", content=b"{oops")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        assert (await h.get(f"{server.root_url}/health")).json()["status"] == "ok"
+    keyed = f"http://{server.auth_prefix}/v1"
+    with pytest.raises(openai.AuthenticationError):
+        await AsyncOpenAI(api_key="wrong", base_url=keyed).models.list()
+    models = await AsyncOpenAI(api_key=server.api_key, base_url=keyed).models.list()
+    assert models.data[0].id == server.engine.model_name
+
+
+async def test_metrics_exposition(server):
+    await client(server).chat.completions.create(model="x", max_tokens=4,
+                                                 messages=[{"role": "user", "content": "Hi"}])
+    await server.wait_idle(pinned_ok=True)
+    text = server.metrics_text()
+    for name in METRIC_NAMES:
+        assert f"\n{name}" in text, name
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#") and "{" not in line}
+    stats = server.stats()
+    assert values["rtserve_kv_blocks_total"] == stats["kv_blocks_total"]
+    assert values["rtserve_generated_tokens_total"] >= 4
+    assert values["rtserve_prefix_cache_queries_total"] >= values["rtserve_prefix_cache_hits_total"]
+    assert 'rtserve_time_to_first_token_seconds_count{api="http"}' in text
