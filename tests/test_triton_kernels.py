@@ -90,11 +90,12 @@ def test_paged_attention_matches_reference(scenario, block_size, group, dtype):
 
 @pytest.mark.parametrize("block_m,tile", [(16, 16), (16, 64), (32, 32), (64, 16)])
 @pytest.mark.parametrize("group", [1, 3])
-def test_paged_attention_tilings(block_m, tile, group):
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_paged_attention_tilings(block_m, tile, group, block_size):
     """Several query blocks per sequence (binary search over cu_seqlens_q) and key tiles smaller / larger than a
-    cache block: every tiling gives the same answer."""
+    cache block (tiles and cache blocks are independent): every tiling gives the same answer."""
     specs = SCENARIOS["mixed"] + SCENARIOS["prefix_hit"]
-    batch = _batch(specs, 16, 2, group, 16, torch.float32, seed=1)
+    batch = _batch(specs, block_size, 2, group, 16, torch.float32, seed=1)
     ref = _reference(*batch, 0.25)
     out = triton_ops.paged_attention(*_on(*batch), 0.25, block_m=block_m, tile=tile)
     _check(out, ref, torch.float32)
