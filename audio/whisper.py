@@ -31,7 +31,9 @@ MAX_NEW_TOKENS = 224  # Whisper's own limit: half the 448-token text context
 # Special tokens of the English-only vocabulary (see the packaged tokenizer.json).
 EOT = 50256
 SOT = 50257
+NO_SPEECH = 50361  # <|nocaptions|>: its probability after SOT says "there is no speech here"
 NO_TIMESTAMPS = 50362
+NO_SPEECH_THRESHOLD = 0.6  # Whisper's own default
 FIRST_SPECIAL = 50257  # everything from here on is never a text token
 
 _CT2_DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16, 5: "bfloat16"}
@@ -284,12 +286,15 @@ class WhisperModel:
 
     @torch.inference_mode()
     def decode_greedy(self, encoded: torch.Tensor, max_new_tokens: int = MAX_NEW_TOKENS,
-                      on_step: Callable[[int, list[int], bool], bool] | None = None) -> list[list[int]]:
+                      on_step: Callable[[int, list[int], bool], bool] | None = None,
+                      no_speech_threshold: float | None = NO_SPEECH_THRESHOLD) -> list[list[int]]:
         """Greedy decode every row until EOT; ``on_step(row, tokens, done)`` after each step.
 
         ``on_step`` returns False to drop that row (its consumer is gone); dropped and finished rows
         leave the batch so the rest runs smaller.  Rows still running at the token limit get a last
-        ``on_step(row, tokens, True)``.
+        ``on_step(row, tokens, True)``.  Rows whose no-speech probability exceeds
+        ``no_speech_threshold`` end at once with no tokens (silence or noise would otherwise come
+        out as "you" or ".").
         """
         from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
@@ -304,12 +309,16 @@ class WhisperModel:
             out = self.model(encoder_outputs=(enc,), decoder_input_ids=inp, use_cache=True,
                              **{self._cache_kw: cache})  # the cache is updated in place
             logits = out.logits[:, -1, :].float()
+            silent = [False] * len(rows)
+            if step == 0 and no_speech_threshold is not None:
+                p_none = out.logits[:, 0, :].float().softmax(-1)[:, NO_SPEECH]
+                silent = (p_none > no_speech_threshold).tolist()
             logits.masked_fill_(self._suppress_begin if step == 0 else self._suppress, float("-inf"))
             nxt = logits.argmax(-1).tolist()
             keep: list[int] = []
             for i, tok in enumerate(nxt):
                 r = rows[i]
-                if tok == EOT:
+                if tok == EOT or silent[i]:
                     if on_step is not None:
                         on_step(r, tokens[r], True)
                     continue

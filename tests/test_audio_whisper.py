@@ -2,7 +2,6 @@
 
 import asyncio
 import re
-import time
 
 import jiwer
 import numpy as np
@@ -33,9 +32,10 @@ def model(tmp_path_factory):
     # A fresh cache: this exercises the one-time conversion from model.bin.
     cache = tmp_path_factory.mktemp("rtserve-cache")
     WhisperModel.load(cache=cache, dtype=torch.bfloat16, quiet=True)
-    t0 = time.perf_counter()
+    weights = cache / "whisper-tiny.en" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
     m = WhisperModel.load(cache=cache, dtype=torch.bfloat16)
-    m.load_seconds = time.perf_counter() - t0
+    m.reconverted = weights.stat().st_mtime_ns != stamp
     return m
 
 
@@ -59,8 +59,8 @@ def test_ct2_reader_maps_every_weight():
     assert np.array_equal(sd["model.encoder.layers.0.self_attn.v_proj.bias"].numpy(), fused[768:].astype(np.float32))
 
 
-def test_cached_load_is_quick_and_complete(model):
-    assert model.load_seconds < 1.0
+def test_cached_load_is_complete(model):
+    assert not model.reconverted  # the second load came from the safetensors cache
     assert not any(p.is_meta for p in model.model.parameters())
     assert model.model.proj_out.weight is model.model.model.decoder.embed_tokens.weight
 
@@ -140,3 +140,17 @@ async def test_bad_input_is_typed(transcriber):
         transcriber.transcribe(np.full(16000, np.nan, np.float32))
     with pytest.raises(TranscriptionError):
         transcriber.transcribe(np.array(["a", "b"]))
+
+
+async def test_silence_and_noise_give_empty_transcripts(transcriber):
+    rng = np.random.default_rng(0)
+    for audio in (np.zeros(16000, np.float32), rng.normal(0, 0.1, 32000).astype(np.float32)):
+        stream = transcriber.transcribe(audio)
+        assert [d async for d in stream] == [] and stream.text == ""
+
+
+async def test_closed_transcriber_refuses_work(model):
+    t = Transcriber(model)
+    t.close()
+    with pytest.raises(TranscriptionError, match="closed"):
+        t.transcribe(np.zeros(16000, np.float32))
