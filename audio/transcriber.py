@@ -127,7 +127,7 @@ class Transcriber:
     """Shared batched Whisper worker.  Create once per process; ``close()`` on shutdown."""
 
     def __init__(self, model: WhisperModel | None = None, max_batch: int = 16,
-                 batch_wait_s: float = 0.01) -> None:
+                 batch_wait_s: float = 0.02) -> None:
         self._model = model
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s  # after an idle wake-up, wait this long for company
