@@ -1,0 +1,204 @@
+"""Realtime benchmark: concurrent text sessions over the WebSocket, prefix cache on vs off in the same run.
+
+    rtserve bench realtime --sessions 8,32 --turns 4
+
+Starts `rtserve serve` as a subprocess (once with the prefix cache, once without; or measures `--url` as is), then for
+each session count opens that many Realtime sessions at once. Each session sets a ~500-token system prompt, then runs
+`--turns` user turns (item.create + response.create). Reported per mode and session count: p50/p95 time to first
+delta (response.create → first text delta, measured by the client), p50/p95 gaps between deltas, and TTFT per turn
+index; the last line compares turn-N TTFT with and without the cache.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+import websockets
+
+QUESTIONS = ["What is the capital of France?", "Name three rivers in Europe.", "What is photosynthesis?",
+             "Give me a synonym for happy.", "How many legs does a spider have?", "What is the boiling point of water?"]
+SYSTEM_SENTENCES = ["You are a helpful, careful and friendly assistant for a travel company.",
+                    "Always answer in plain English and keep answers short unless asked for detail.",
+                    "Never invent facts; say so when you are not sure about something.",
+                    "Prefer concrete examples, dates and numbers over vague statements.",
+                    "When the user asks about travel, mention the best season to visit.",
+                    "Be polite, and do not use emojis or markdown formatting in answers."]
+
+
+def system_prompt(session: int, approx_tokens: int) -> str:
+    """~`approx_tokens` tokens (about 13 per sentence), unique per session so turn 1 starts cold for everyone."""
+    n = max(1, approx_tokens // 13)
+    body = " ".join(SYSTEM_SENTENCES[i % len(SYSTEM_SENTENCES)] for i in range(n))
+    return f"Session {session}. {body}"
+
+
+@dataclass
+class Turn:
+    index: int
+    ttft: float
+    gaps: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+async def run_session(url: str, sid: int, turns: int, max_tokens: int, prompt_tokens: int) -> list[Turn]:
+    out = []
+    async with websockets.connect(url, max_size=None) as ws:
+        async def until(etype: str) -> dict:
+            while True:
+                ev = orjson.loads(await ws.recv())
+                if ev["type"] == "error":
+                    raise RuntimeError(ev["error"])
+                if ev["type"] == etype:
+                    return ev
+
+        await until("session.created")
+        await ws.send(orjson.dumps({"type": "session.update", "session": {
+            "type": "realtime", "output_modalities": ["text"], "max_output_tokens": max_tokens,
+            "instructions": system_prompt(sid, prompt_tokens)}}).decode())
+        await until("session.updated")
+        for t in range(turns):
+            await ws.send(orjson.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": QUESTIONS[(sid + t) % len(QUESTIONS)]}]}}).decode())
+            await until("conversation.item.done")
+            start = time.perf_counter()
+            await ws.send('{"type": "response.create"}')
+            first = last = None
+            gaps = []
+            while True:
+                ev = orjson.loads(await ws.recv())
+                if ev["type"] == "response.output_text.delta":
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    else:
+                        gaps.append(now - last)
+                    last = now
+                elif ev["type"] == "response.done":
+                    usage = ev["response"]["usage"] or {}
+                    break
+                elif ev["type"] == "error":
+                    raise RuntimeError(ev["error"])
+            ttft = (first or time.perf_counter()) - start
+            out.append(Turn(t + 1, ttft, gaps, usage.get("input_token_details", {}).get("cached_tokens", 0),
+                            usage.get("input_tokens", 0), usage.get("output_tokens", 0)))
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def ms(x: float) -> str:
+    return f"{x * 1000:7.0f}"
+
+
+async def run_load(url: str, sessions: int, args) -> list[list[Turn]]:
+    return await asyncio.gather(*(run_session(url, i, args.turns, args.max_output_tokens, args.system_tokens)
+                                  for i in range(sessions)))
+
+
+def summarize(mode: str, sessions: int, results: list[list[Turn]], wall: float, turns: int) -> dict:
+    all_turns = [t for r in results for t in r]
+    ttfts = [t.ttft for t in all_turns]
+    gaps = [g for t in all_turns for g in t.gaps]
+    per_turn = {n: statistics.median([t.ttft for t in all_turns if t.index == n]) for n in range(1, turns + 1)}
+    cached = {n: statistics.mean([t.cached_tokens / max(1, t.input_tokens) for t in all_turns if t.index == n])
+              for n in range(1, turns + 1)}
+    out_tokens = sum(t.output_tokens for t in all_turns)
+    print(f"{mode:>9} {sessions:>4} | ttft p50 {ms(pct(ttfts, 50))} p95 {ms(pct(ttfts, 95))} | "
+          f"gap p50 {ms(pct(gaps, 50))} p95 {ms(pct(gaps, 95))} | turn TTFT p50 "
+          + " ".join(f"t{n}:{ms(v).strip()}" for n, v in per_turn.items())
+          + f" | cached t{turns} {cached[turns]:.0%} | {out_tokens / wall:6.1f} tok/s", flush=True)
+    return {"per_turn": per_turn}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, prefix_cache: bool, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level", "warning", *extra]
+    if not prefix_cache:
+        cmd.append("--no-prefix-caching")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not become ready")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="rtserve bench realtime", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", default="8,32", help="comma-separated concurrent session counts")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--max-output-tokens", type=int, default=32)
+    ap.add_argument("--system-tokens", type=int, default=500, help="approximate system prompt length")
+    ap.add_argument("--url", default=None, help="measure a running server (ws://host:port/v1/realtime) as it is")
+    ap.add_argument("--modes", default="cache,nocache", help="which server variants to start: cache,nocache")
+    ap.add_argument("--server-args", default="", help="extra `rtserve serve` flags for the started servers")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    counts = [int(x) for x in args.sessions.split(",") if x]
+    print(f"rtserve bench realtime: sessions {counts}, {args.turns} turns, ~{args.system_tokens}-token system "
+          f"prompt, {args.max_output_tokens} output tokens per turn, {os.cpu_count()} CPUs", flush=True)
+    summaries: dict[tuple[str, int], dict] = {}
+    modes = [("external", None)] if args.url else [(m, m == "cache") for m in args.modes.split(",")]
+    for mode, cache in modes:
+        proc = None
+        url = args.url
+        if url is None:
+            port = free_port()
+            proc = start_server(port, cache, args.server_args.split())
+            url = f"ws://127.0.0.1:{port}/v1/realtime"
+        try:
+            asyncio.run(run_load(url, 1, argparse.Namespace(**{**vars(args), "turns": 1})))  # warm-up
+            for n in counts:
+                start = time.perf_counter()
+                results = asyncio.run(run_load(url, n, args))
+                summaries[(mode, n)] = summarize(mode, n, results, time.perf_counter() - start, args.turns)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    for n in counts:
+        on, off = summaries.get(("cache", n)), summaries.get(("nocache", n))
+        if on and off:
+            t = args.turns
+            print(f"sessions {n}: turn-{t} TTFT p50 {ms(on['per_turn'][t]).strip()} ms with the prefix cache vs "
+                  f"{ms(off['per_turn'][t]).strip()} ms without ({off['per_turn'][t] / on['per_turn'][t]:.1f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
