@@ -35,7 +35,7 @@ API for the gateway (one Realtime session in brackets, shared objects created at
     # input_audio_buffer.commit / .clear (manual turns)
     seg = buf.commit()                           # CommittedAudio(audio_16k, audio_start_ms, audio_end_ms);
                                                  # < 100 ms -> AudioBufferError(code="input_audio_buffer_commit_empty")
-    buf.clear(); vad.reset()
+    buf.clear(); vad.reset(position_ms=buf.timeline_ms)   # keep the VAD on the buffer's clock
 
     # transcription (async, append-only deltas, a final transcript)
     stream = transcriber.transcribe(seg.audio_16k)   # TranscriptionStream; raises TranscriptionError on bad input

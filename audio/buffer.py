@@ -65,6 +65,9 @@ class InputAudioBuffer:
         """Milliseconds of audio appended since the last commit/clear (the protocol's buffer)."""
         return int(1000 * self._input_samples / self.format.rate)
 
+    def _exact_ms(self) -> float:
+        return 1000 * self._input_samples / self.format.rate
+
     @property
     def start_ms(self) -> int:
         return int(1000 * self._base / RATE)
@@ -120,10 +123,10 @@ class InputAudioBuffer:
 
     def commit(self) -> CommittedAudio:
         """Manual ``input_audio_buffer.commit``: everything held, if at least 100 ms."""
-        if self.duration_ms < MIN_COMMIT_MS:
+        if self._exact_ms() < MIN_COMMIT_MS:
             raise AudioBufferError(
-                f"buffer too small: expected at least {MIN_COMMIT_MS}ms of audio, "
-                f"but buffer only has {self.duration_ms:.2f}ms of audio",
+                f"Error committing input audio buffer: buffer too small. Expected at least "
+                f"{MIN_COMMIT_MS}ms of audio, but buffer only has {self._exact_ms():.2f}ms of audio.",
                 code="input_audio_buffer_commit_empty")
         self._push(self._resampler.flush())
         start = self.start_ms

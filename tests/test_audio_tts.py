@@ -75,3 +75,19 @@ async def test_worker_speaks_and_round_trips_through_whisper():
     text = get_whisper().transcribe([np.concatenate(audios).astype(np.float32) / 32768])[0]
     assert jiwer.wer(reply.lower().replace(",", "").replace(".", ""),
                      text.lower().replace(",", "").replace(".", "")) <= 0.2, text
+
+
+async def test_worker_cancel_drops_queued_work():
+    worker = TTSWorker()
+    tasks = [asyncio.create_task(worker.speak(f"Sentence number {i} is queued here.")) for i in range(4)]
+    await asyncio.sleep(0)
+    for t in tasks[1:]:
+        t.cancel()
+    first = await tasks[0]
+    assert len(first) > 0
+    assert all(t.cancelled() for t in tasks[1:])
+    # The worker is free again right away and keeps serving.
+    assert len(await worker.speak("Still here.")) > 0
+    with pytest.raises(TTSError):
+        await worker.speak("Too fast.", speed=10)
+    worker.close()
