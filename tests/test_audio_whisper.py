@@ -156,3 +156,13 @@ async def test_closed_transcriber_refuses_work(model):
     t.close()
     with pytest.raises(TranscriptionError, match="closed"):
         t.transcribe(np.zeros(16000, np.float32))
+
+
+def test_batch_rows_finish_independently(model, clips):
+    """A short row ends early and leaves the batch; the long row goes on to its end."""
+    long_ref = "the quick brown fox jumps over the lazy dog and then it runs into the forest"
+    long = piper_speech("The quick brown fox jumps over the lazy dog, and then it runs into the forest.")
+    texts = model.transcribe([clips["piper"], long, np.zeros(16000, np.float32)])
+    assert jiwer.wer(REF, _norm(texts[0])) <= 0.2, texts
+    assert jiwer.wer(long_ref, _norm(texts[1])) <= 0.2, texts
+    assert texts[2] == ""
