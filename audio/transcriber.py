@@ -25,7 +25,6 @@ from .whisper import SAMPLE_RATE, WINDOW_SAMPLES, WhisperModel, get_whisper
 log = logging.getLogger(__name__)
 
 MIN_SAMPLES = SAMPLE_RATE // 100  # 10 ms: anything shorter is not a segment
-_DONE = object()
 
 
 class TranscriptionError(RuntimeError):
@@ -100,8 +99,6 @@ class TranscriptionStream:
         except BaseException:
             self._req.cancelled = True  # CancelledError and friends: drop the request
             raise
-        if item is _DONE:
-            raise StopAsyncIteration
         if isinstance(item, tuple):  # ("final", text)
             self.text = item[1]
             raise StopAsyncIteration
