@@ -76,7 +76,8 @@ def batch(specs):
     q = torch.randn(int(cu[-1]), H, D, device="cuda", dtype=dt)
     return q, kc, vc, cu.cuda(), sl.cuda(), bt.cuda()
 cases = {"decode_64x1024": [(1, 1024)] * 64, "prefill_4x512": [(512, 512)] * 4,
-         "mixed_32dec512_2chunk256": [(1, 512)] * 32 + [(256, 768)] * 2, "decode_256x2048": [(1, 2048)] * 256}
+         "mixed_32dec512_2chunk256": [(1, 512)] * 32 + [(256, 768)] * 2, "decode_256x2048": [(1, 2048)] * 256,
+         "decode_2x4096": [(1, 4096)] * 2, "decode_8x1024": [(1, 1024)] * 8}
 res = {}
 for name, specs in cases.items():
     b = batch(specs)
@@ -85,6 +86,11 @@ for name, specs in cases.items():
     ms_t = triton.testing.do_bench(lambda: tk.paged_attention(*b, D ** -0.5), warmup=10, rep=50)
     ms_r = triton.testing.do_bench(lambda: torch_ops.paged_attention(*b, D ** -0.5), warmup=3, rep=30)
     res[name] = {"triton_ms": ms_t, "torch_ms": ms_r, "max_abs_diff": err}
+    if all(n == 1 for n, _ in specs):  # split-KV on/off (default picks splits for small decode batches)
+        o_1 = tk.paged_attention(*b, D ** -0.5, num_splits=1)
+        res[name]["split_vs_nosplit_max_diff"] = (o_t.float() - o_1.float()).abs().max().item()
+        res[name]["triton_nosplit_ms"] = triton.testing.do_bench(
+            lambda: tk.paged_attention(*b, D ** -0.5, num_splits=1), warmup=10, rep=50)
     print(name, res[name], flush=True)
 json.dump(res, open(sys.argv[1], "w"), indent=1)
 PYEOF

@@ -6,6 +6,7 @@ are decorated. Without CUDA the interpreter is switched on here (unless the call
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -56,12 +57,13 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     out: torch.Tensor | None = None, *, block_m: int | None = None,
-                    tile: int | None = None) -> torch.Tensor:
+                    tile: int | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks + decodes) over the paged KV cache, in one launch.
 
-    Grid: (query blocks of all sequences, kv heads). `block_m` (rows per program = query tokens x GQA group) and
-    `tile` (keys per inner step) are tuning knobs, exposed so tests can force several blocks per sequence.
-    Reads no tensor values on the host, so it never synchronises with the device.
+    Grid: (query blocks of all sequences, kv heads, kv splits). `block_m` (rows per program = query tokens x GQA
+    group), `tile` (keys per inner step) and `num_splits` (split-KV: each split covers part of the keys, a second
+    small launch merges them; default >1 only for GPU decode batches too small to fill the SMs) are tuning knobs,
+    exposed so tests can force every path. Reads no tensor values on the host, so it never synchronises.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -85,14 +87,44 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         tile = 64 if interp else 32
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile={tile} must be a power of two >= 16")
+    if num_splits is None:
+        num_splits = _default_splits(q.device, num_seqs * num_kv_heads) if decode_only and not interp else 1
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits={num_splits} must be a power of two >= 1")
+    head_dim_p = _pow2(head_dim)
+    if num_splits > 1:
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim_p, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
     cast_fp32 = interp or q.dtype == torch.float32
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     k._unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
-        float(scale) * 1.4426950408889634, num_seqs,
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, part_acc, part_ml,
+        float(scale) * 1.4426950408889634, num_seqs, num_heads,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=_pow2(head_dim), GROUP=group,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, GROUP=group,
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
-        CAST_FP32=cast_fp32, DOT_PRECISION="ieee" if cast_fp32 else "tf32", INTERP=interp,
+        CAST_FP32=cast_fp32, DOT_PRECISION="ieee" if cast_fp32 else "tf32", INTERP=interp, NUM_SPLITS=num_splits,
     )
+    if num_splits > 1:
+        k._merge_splits_kernel[(num_tokens, num_heads)](
+            part_acc, part_ml, out, num_heads, *out.stride(),
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, INTERP=interp,
+        )
     return out
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_splits(device: torch.device, programs: int) -> int:
+    """Split the keys only when the batch leaves at least half the SMs idle (few sequences decoding)."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs * 2 > sms:
+        return 1
+    return min(16, 1 << ((sms // programs).bit_length() - 1))

@@ -72,7 +72,7 @@ def _find_seq_idx(cu_q_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2e, num_seqs,
+    part_acc_ptr, part_ml_ptr, scale_log2e, num_seqs, num_heads,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -80,13 +80,16 @@ def _unified_attention_kernel(
     stride_bts, stride_btb,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-    CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP: tl.constexpr,
+    CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
-    """Program (query block, kv head): BLOCK_Q query tokens of one sequence x the GROUP query heads that share the kv
-    head, flattened into BLOCK_M = BLOCK_Q * GROUP rows (row m: token m // GROUP, head m % GROUP), so GQA reuses
-    each K/V tile for the whole group. Online softmax over TILE-key tiles gathered through the block table."""
+    """Program (query block, kv head, kv split): BLOCK_Q query tokens of one sequence x the GROUP query heads that
+    share the kv head, flattened into BLOCK_M = BLOCK_Q * GROUP rows (row m: token m // GROUP, head m % GROUP), so
+    GQA reuses each K/V tile for the whole group. Online softmax over TILE-key tiles gathered through the block table.
+    With NUM_SPLITS > 1 each program covers 1/NUM_SPLITS of the key tiles and writes an unnormalised partial result
+    (acc, max, sum) that `_merge_splits_kernel` combines: more programs when few sequences decode long contexts."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = _find_seq_idx(cu_q_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -118,8 +121,12 @@ def _unified_attention_kernel(
     kv_end = ctx_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
     offs_t = tl.arange(0, TILE)
-    for start in range(0, kv_end, TILE):
-        pos = start + offs_t
+    num_tiles = tl.cdiv(kv_end, TILE)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    for t in range(tile_lo, tile_hi):
+        pos = t * TILE + offs_t
         pos_ok = pos < kv_end
         phys = tl.load(bt_row + (pos // BLOCK_SIZE) * stride_btb, mask=pos_ok, other=0).to(tl.int64)
         in_blk = pos % BLOCK_SIZE
@@ -143,6 +150,33 @@ def _unified_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             _cast(out, out_ptr.dtype.element_ty, INTERP), mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 _cast(out, out_ptr.dtype.element_ty, INTERP), mask=row_ok[:, None] & d_ok[None, :])
+    else:  # partials, fp32, contiguous [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_P] and [..., NUM_SPLITS, 2]
+        row = (tok * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, num_heads, stride_ot, stride_oh, stride_od,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Program (token, head): rescale each split's partial sum to the global max and normalise once."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    row = (tok * num_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml_ptr + row * 2)
+    l = tl.load(part_ml_ptr + row * 2 + 1)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :])
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # empty splits have m = -inf: weight 0 (split 0 always sees key 0, so m_max is finite)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d * stride_od,
+             _cast(out, out_ptr.dtype.element_ty, INTERP), mask=offs_d < HEAD_DIM)

@@ -20,7 +20,7 @@ class Compiled:
     tensor_cores: bool  # PTX uses mma/wgmma
 
 
-def _attention_source(dtype: str, group: int, head_dim: int, block_size: int):
+def _attention_source(dtype: str, group: int, head_dim: int, block_size: int, num_splits: int = 1):
     from triton.compiler import ASTSource
 
     import kernels.triton._kernels as k
@@ -29,10 +29,11 @@ def _attention_source(dtype: str, group: int, head_dim: int, block_size: int):
     block_m = 64
     consts = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=max(16, 1 << (head_dim - 1).bit_length()),
                   GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, TILE=32, CAST_FP32=fp32,
-                  DOT_PRECISION="ieee" if fp32 else "tf32", INTERP=False)
+                  DOT_PRECISION="ieee" if fp32 else "tf32", INTERP=False, NUM_SPLITS=num_splits)
     sig = {n: "i32" for n in fn.arg_names}
     sig.update({n: "*" + dtype for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")})
     sig.update({n: "*i32" for n in ("cu_q_ptr", "seq_lens_ptr", "block_tables_ptr")})
+    sig.update({n: "*fp32" for n in ("part_acc_ptr", "part_ml_ptr")})
     sig["scale_log2e"] = "fp32"
     sig.update({n: "constexpr" for n in consts})
     return ASTSource(fn, sig, consts)
@@ -52,6 +53,19 @@ def _store_source(dtype: str, kv_heads: int, head_dim: int, block_size: int):
     return ASTSource(fn, sig, consts)
 
 
+def _merge_source(dtype: str, head_dim: int, num_splits: int):
+    from triton.compiler import ASTSource
+
+    import kernels.triton._kernels as k
+    fn = k._merge_splits_kernel
+    consts = dict(NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=max(16, 1 << (head_dim - 1).bit_length()),
+                  INTERP=False)
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update({"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*" + dtype})
+    sig.update({n: "constexpr" for n in consts})
+    return ASTSource(fn, sig, consts)
+
+
 def compile_all(archs=(90, 80), group: int = 3, head_dim: int = 64, block_size: int = 16) -> list[Compiled]:
     """SmolLM2-135M shapes by default (9 heads over 3 kv heads, head_dim 64)."""
     import triton
@@ -64,6 +78,8 @@ def compile_all(archs=(90, 80), group: int = 3, head_dim: int = 64, block_size: 
         target = GPUTarget("cuda", arch, 32)
         for dtype in DTYPES:
             for name, src in (("paged_attention", _attention_source(dtype, group, head_dim, block_size)),
+                              ("paged_attn_split", _attention_source(dtype, group, head_dim, block_size, 16)),
+                              ("merge_splits", _merge_source(dtype, head_dim, 16)),
                               ("store_kvcache", _store_source(dtype, max(1, 9 // group), head_dim, block_size))):
                 ck = triton.compile(src, target=target)
                 ptx = ck.asm["ptx"]
