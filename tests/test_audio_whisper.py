@@ -102,9 +102,10 @@ async def test_transcriber_batches_concurrent_requests(transcriber, clips):
 
 @pytest.mark.slow
 async def test_long_audio_is_windowed(transcriber, clips):
-    long = np.concatenate([clips["piper"], np.zeros(16000 * 29, np.float32), clips["espeak"]])
+    other = piper_speech("Tell me a short story about a cat.")
+    long = np.concatenate([clips["piper"], np.zeros(16000 * 29, np.float32), other])
     text = await transcriber.transcribe_text(long)
-    assert _norm(text).count("capital of france") == 2, text
+    assert jiwer.wer(REF + " tell me a short story about a cat", _norm(text)) <= 0.2, text
 
 
 @pytest.mark.slow
