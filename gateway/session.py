@@ -132,9 +132,7 @@ class RealtimeSession:
                 await resp.task
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await asyncio.wait(tasks, timeout=5.0)  # a send stuck on a dead socket must not hold the session open
         self.engine.release_session(self.id)
         if self.close_reason and self.close_reason != "client closed":
             log.info("session %s closed: %s", self.id, self.close_reason)
@@ -158,7 +156,7 @@ class RealtimeSession:
             self.close(f"client not reading: {self.limits.send_queue_max} events queued")
 
     async def _writer(self) -> None:
-        while True:
+        while not self.closed.is_set():  # also the exit when a cancel was swallowed by a send finishing at once
             frame = await self._queue.get()
             try:
                 await asyncio.wait_for(self.ws.send_text(frame), self.limits.send_timeout_s)

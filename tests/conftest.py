@@ -2,7 +2,8 @@
 
 `server` runs uvicorn in a background thread on a free port with the product app (`gateway.app.create_app`) around one
 shared AsyncEngine. The same app is also mounted under `/auth` with an API key configured (same engine), for tests of
-authentication; everything else uses the open root. Tests reach engine stats through `server.stats()`.
+authentication, and under `/tight` with a 16-event send queue, for the stalled-reader test; everything else uses the
+open root. Tests reach engine stats through `server.stats()`.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Server:
     port: int
     engine: object  # engine.AsyncEngine
     app: object
+    tight_app: object = None
     api_key: str = API_KEY
 
     @property
@@ -45,6 +47,10 @@ class Server:
     @property
     def auth_prefix(self) -> str:  # the same app with `api_key` required
         return f"{self.host}:{self.port}/auth"
+
+    @property
+    def tight_prefix(self) -> str:  # the same app with a tiny per-connection send queue
+        return f"{self.host}:{self.port}/tight"
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -79,11 +85,14 @@ def server():
 
     from engine import AsyncEngine
     from gateway.app import WS_MAX_SIZE, Settings, create_app
+    from gateway.session import SessionLimits
 
     engine = AsyncEngine(kv_cache_memory="512MiB", max_num_seqs=64)
     open_app = create_app(Settings(), engine=engine)
     keyed_app = create_app(Settings(api_key=API_KEY), engine=engine)
-    root = Starlette(routes=[Mount("/auth", app=keyed_app), Mount("/", app=open_app)])
+    tight_app = create_app(Settings(limits=SessionLimits(send_queue_max=16, send_timeout_s=5)), engine=engine)
+    root = Starlette(routes=[Mount("/auth", app=keyed_app), Mount("/tight", app=tight_app),
+                             Mount("/", app=open_app)])
     port = _free_port()
     config = uvicorn.Config(root, host="127.0.0.1", port=port, ws_max_size=WS_MAX_SIZE, log_level="warning",
                             lifespan="off")
@@ -95,7 +104,7 @@ def server():
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("test server did not start")
         time.sleep(0.05)
-    yield Server("127.0.0.1", port, engine, open_app)
+    yield Server("127.0.0.1", port, engine, open_app, tight_app)
     uv.should_exit = True
     thread.join(timeout=10)
     engine.shutdown()

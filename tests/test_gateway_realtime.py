@@ -424,3 +424,26 @@ async def test_32_concurrent_sessions(server):
     s = await server.wait_idle()
     assert s["kv_blocks_used"] == 0 and s["kv_blocks_pinned"] == 0 and s["requests_running"] == 0
     assert "rtserve_sessions_active 0.0" in server.metrics_text()
+
+
+async def test_stalled_reader_is_disconnected_without_slowing_others(server):
+    """A client that stops reading fills its bounded send queue and is dropped; other sessions carry on."""
+    gauge = server.tight_app.state.metrics.sessions_active
+    ws = await websockets.connect(f"ws://{server.tight_prefix}/v1/realtime", max_size=None, max_queue=1)
+    stalled = Raw(ws)
+    assert (await stalled.recv())["type"] == "session.created"
+    await stalled.send({"type": "conversation.item.create", "item": {
+        "id": "big", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 200_000}]}})
+    for _ in range(300):  # ~60 MB of answers that the client never reads
+        await stalled.send({"type": "conversation.item.retrieve", "item_id": "big"})
+    other = await open_raw(server, max_output_tokens=8)  # meanwhile a normal session works
+    await other.say("Say hi.")
+    _, response, _ = await other.respond()
+    assert response["status"] in ("completed", "incomplete")
+    await other.ws.close()
+    for _ in range(300):
+        if gauge._value.get() == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert gauge._value.get() == 0  # the server ended the stalled session
+    ws.transport.abort()
