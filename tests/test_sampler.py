@@ -1,0 +1,125 @@
+"""Sampler and detokenizer: seeded reproducibility, masks, penalties, UTF-8 deltas, stop strings across tokens."""
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from engine import InvalidRequestError, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.models.loader import resolve_model_dir
+from engine.request import Request
+from engine.sampler import Sampler, top_k_top_p_min_p
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
+
+
+def r(params, rid="x"):
+    return Request(rid, [1, 2, 3], params)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(3, 50)
+    toks, _ = Sampler()(logits, [r(SamplingParams(temperature=0)) for _ in range(3)])
+    assert toks == logits.argmax(-1).tolist()
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 1000)
+    def draw(batch_extra):
+        req = r(SamplingParams(temperature=1.0, seed=42))
+        others = [r(SamplingParams(temperature=1.0)) for _ in range(batch_extra)]
+        rows = torch.cat([logits, torch.randn(batch_extra, 1000)])
+        return [Sampler()(rows, [req] + others)[0][0] for _ in range(1)] + \
+               [Sampler()(rows, [req] + others)[0][0] for _ in range(5)]
+    assert draw(0) == draw(3)
+    unseeded = {tuple(Sampler()(logits.repeat(1, 1), [r(SamplingParams(temperature=1.0))])[0]) for _ in range(20)}
+    assert len(unseeded) > 1
+
+
+def test_top_k_mask():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0]])
+    out = top_k_top_p_min_p(logits, torch.tensor([2]), torch.tensor([1.0]), torch.tensor([0.0]))
+    assert torch.isfinite(out).tolist() == [[False, True, False, True, False]]
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    out = top_k_top_p_min_p(probs.log(), torch.tensor([-1]), torch.tensor([0.8]), torch.tensor([0.0]))
+    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
+    out = top_k_top_p_min_p(probs.log(), torch.tensor([-1]), torch.tensor([0.81]), torch.tensor([0.0]))
+    assert torch.isfinite(out).tolist() == [[True, True, True, False]]
+
+
+def test_min_p_mask():
+    probs = torch.tensor([[0.6, 0.3, 0.06, 0.04]])
+    out = top_k_top_p_min_p(probs.log(), torch.tensor([-1]), torch.tensor([1.0]), torch.tensor([0.1]))
+    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
+
+
+def test_sampled_tokens_respect_top_k():
+    logits = torch.randn(1, 100)
+    allowed = set(logits.topk(3).indices[0].tolist())
+    for seed in range(30):
+        tok, _ = Sampler()(logits, [r(SamplingParams(temperature=2.0, top_k=3, seed=seed))])
+        assert tok[0] in allowed
+
+
+def test_penalties():
+    logits = torch.zeros(1, 10)
+    logits[0, 5] = 2.0
+    req = Request("p", [5], SamplingParams(temperature=0, repetition_penalty=4.0))
+    tok, _ = Sampler()(logits.clone(), [req])
+    assert tok == [5]                              # 2/4 = 0.5 still the max
+    req = Request("p", [1], SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=0.5))
+    req.token_ids += [5, 5]                        # two outputs of token 5: 2 - 2 - 1 = -1
+    tok, _ = Sampler()(logits.clone(), [req])
+    assert tok != [5]
+
+
+def test_logprobs():
+    logits = torch.randn(1, 20)
+    tok, lps = Sampler()(logits, [r(SamplingParams(temperature=0, logprobs=3))])
+    lp, top = lps[0]
+    assert abs(lp - float(logits.log_softmax(-1)[0, tok[0]])) < 1e-6 and len(top) == 3 and top[0][0] == tok[0]
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=0), dict(max_tokens=0),
+                                 dict(min_p=2), dict(presence_penalty=3), dict(repetition_penalty=0)])
+def test_invalid_values_raise_typed_error(bad):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**bad)
+    assert e.value.param == next(iter(bad))
+
+
+def test_utf8_split_across_tokens(tokenizer):
+    text = "naïve café 你好 🎉 done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tokenizer, [1])
+    deltas = [d.add(t) for t in ids]
+    assert "".join(deltas) + d.flush() == text
+    assert all("\ufffd" not in x for x in deltas)
+
+
+def test_stop_string_split_across_tokens_never_emitted(tokenizer):
+    text = "Hello there. The END is near."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tokenizer, [1], stop=["END is"])
+    out = ""
+    for t in ids:
+        out += d.add(t)
+        assert "E" not in out.replace("Hello", "")      # no part of the stop string leaks, even "E"/"EN"
+        if d.stopped_by:
+            break
+    assert d.stopped_by == "END is"
+    out += d.flush()
+    assert out == "Hello there. The "
+
+
+def test_held_back_text_is_released_when_not_a_stop(tokenizer):
+    ids = tokenizer.encode("an ENDING word", add_special_tokens=False)
+    d = IncrementalDetokenizer(tokenizer, [1], stop=["END!"])
+    out = "".join(d.add(t) for t in ids) + d.flush()
+    assert out == "an ENDING word" and d.stopped_by is None
