@@ -91,3 +91,9 @@ async def test_metrics_exposition(server):
     assert values["rtserve_generated_tokens_total"] >= 4
     assert values["rtserve_prefix_cache_queries_total"] >= values["rtserve_prefix_cache_hits_total"]
     assert 'rtserve_time_to_first_token_seconds_count{api="http"}' in text
+
+
+async def test_web_demo_served_at_root(server):
+    async with httpx.AsyncClient() as h:
+        r = await h.get(f"{server.root_url}/")
+    assert r.status_code == 200 and "<html" in r.text.lower()
