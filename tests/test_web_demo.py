@@ -198,6 +198,7 @@ def test_page_controls_and_typed_turn(gateway, browser, out_dir):
 
         pg.page.locator("#settings summary").click()
         pg.tid("voice").uncheck()  # text-only replies
+        pg.page.locator("#settings summary").click()
         pg.connect()
         reply = pg.typed_turn(TYPED)
         s = pg.state()
