@@ -57,6 +57,9 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("rtserve_inter_token_latency_seconds", "Gap between consecutive text deltas.", ["api"],
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        for api in ("realtime", "http"):  # export every series from the start, not only after first use
+            self.ttft.labels(api)
+            self.itl.labels(api)
         self.registry.register(EngineCollector(stats))
 
     def render(self) -> bytes:

@@ -54,6 +54,7 @@ class ActiveResponse:
     items: list[Item] | None  # the prompt's items when they are not the conversation (`input` given)
     output_modalities: list[str]
     task: asyncio.Task | None = None
+    started: bool = False  # the task ran its first step (a task cancelled before that never runs its body)
     cancel_reason: str | None = None
     item: Item | None = None
     status: str = "in_progress"
@@ -291,6 +292,10 @@ class RealtimeSession:
             return False
         resp.cancel_reason = reason
         resp.task.cancel()
+        if not resp.started:  # cancelled in the same batch of events as its response.create
+            resp.status = "cancelled"
+            resp.status_details = {"type": "cancelled", "reason": reason}
+            self._finish_response(resp, None, None, [], 0, 0)
         return True
 
     def _check_audio_parts(self, item: Item) -> None:
@@ -361,6 +366,7 @@ class RealtimeSession:
         return TextOutput(self, resp)
 
     async def _run_response(self, resp: ActiveResponse) -> None:
+        resp.started = True
         finished, out_ids, n_prompt, n_cached = False, [], 0, 0
         prompt = None
         output = None

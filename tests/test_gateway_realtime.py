@@ -264,6 +264,13 @@ async def test_cancel_mid_stream_frees_blocks(server):
     assert not [e for e in events if e["type"] == "error"]
     s = await server.wait_idle()
     assert s["requests_running"] == 0 and s["kv_blocks_used"] == 0  # aborted: nothing held, nothing pinned
+    # Cancel sent right behind its response.create (likely handled before the response task first runs).
+    await raw.ws.send(orjson.dumps({"type": "response.create"}).decode())
+    await raw.ws.send(orjson.dumps({"type": "response.cancel"}).decode())
+    events = await raw.until("response.done")
+    assert events[-1]["response"]["status"] == "cancelled"
+    assert not [e for e in events if e["type"] == "error"]
+    assert (await server.wait_idle())["kv_blocks_used"] == 0
     # The session goes on; the cancelled partial answer stays in the conversation.
     await raw.say("Just say hello.")
     _, response, _ = await raw.respond({"max_output_tokens": 8})
