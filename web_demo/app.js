@@ -411,6 +411,11 @@ function onEvent(m) {
     case 'error': {
       const e = m.error || {};
       if (HARMLESS.has(e.code)) break;
+      if (e.code === 'audio_unavailable') { // a text-only server: stop streaming the mic instead of repeating the error
+        if (state.micOn) stopMic();
+        showError('This server runs without the audio stage, so the microphone is off: type your message instead.');
+        break;
+      }
       showError(`Server error${e.code ? ` (${e.code})` : ''}: ${e.message || 'unknown error'}`);
       break;
     }
