@@ -97,3 +97,16 @@ async def test_web_demo_served_at_root(server):
     async with httpx.AsyncClient() as h:
         r = await h.get(f"{server.root_url}/")
     assert r.status_code == 200 and "<html" in r.text.lower()
+
+
+async def test_streaming_client_disconnect_aborts(server):
+    await server.wait_idle(pinned_ok=True)
+    async with httpx.AsyncClient(timeout=60) as h:
+        async with h.stream("POST", f"{server.base_url}/chat/completions", json={
+                "model": "x", "stream": True, "max_tokens": 2000,
+                "messages": [{"role": "user", "content": "Write a very long essay about the ocean."}]}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and '"content"' in line and '"content":""' not in line:
+                    break
+    s = await server.wait_idle(pinned_ok=True)
+    assert s["requests_running"] == 0 and s["requests_waiting"] == 0

@@ -454,3 +454,24 @@ async def test_stalled_reader_is_disconnected_without_slowing_others(server):
         await asyncio.sleep(0.1)
     assert gauge._value.get() == 0  # the server ended the stalled session
     ws.transport.abort()
+
+
+async def test_cache_salt_isolates_tenants(server):
+    """The same long prompt hits the prefix cache within a tenant (salt) and never across tenants."""
+    instructions = "You are the support assistant of the Tenant Test Company. Be kind and brief. " * 6
+
+    async def first_turn_cached(salt: str) -> int:
+        ws = await websockets.connect(f"{server.realtime_url}?cache_salt={salt}", max_size=None)
+        raw = Raw(ws)
+        await raw.recv()
+        await raw.send({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"],
+                                                              "max_output_tokens": 4, "instructions": instructions}})
+        await raw.recv()
+        await raw.say("Hello")
+        _, response, _ = await raw.respond()
+        await ws.close()
+        return response["usage"]["input_token_details"]["cached_tokens"]
+
+    assert await first_turn_cached("tenant-a") == 0
+    assert await first_turn_cached("tenant-a") > 64  # same tenant: the shared prefix is found
+    assert await first_turn_cached("tenant-b") == 0  # another tenant: isolated
