@@ -21,6 +21,7 @@ from gateway import handshake, http_api
 from gateway.conversation import PromptRenderer
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.session import RealtimeSession, SessionLimits
+from gateway.voice import AudioStage
 
 log = logging.getLogger("rtserve")
 WEB_DEMO_DIR = Path(__file__).resolve().parent.parent / "web_demo"
@@ -36,6 +37,7 @@ class Settings:
     allowed_origins: list[str] | None = None
     limits: SessionLimits = field(default_factory=SessionLimits)
     public_url: str | None = None  # printed in the ready message
+    audio: bool = True  # the audio stage (VAD, Whisper, TTS); False answers audio events with audio_unavailable
 
 
 def create_app(settings: Settings | None = None, engine=None) -> Starlette:
@@ -48,12 +50,16 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
         if owned:
             app.state.engine = await _load_engine(settings)
             _attach(app, app.state.engine)
+            if app.state.audio is not None:  # Whisper loads in its thread; the TTS voice is loaded here
+                await app.state.audio.warmup()
             if settings.public_url:
                 print(f"rtserve: ready on {settings.public_url}  (realtime: "
                       f"{settings.public_url.replace('http', 'ws', 1)}/v1/realtime)", flush=True)
         try:
             yield
         finally:
+            if owned and app.state.audio is not None:
+                await asyncio.to_thread(app.state.audio.close)
             if owned and app.state.engine is not None:
                 await asyncio.to_thread(app.state.engine.shutdown)
 
@@ -75,7 +81,11 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
     app.state.settings = settings
     app.state.started = int(time.time())
     app.state.engine = None
-    app.state.metrics = Metrics(lambda: app.state.engine.stats() if app.state.engine is not None else None)
+    # With an engine given (tests, embedding) the audio workers start on first use; else in the lifespan.
+    app.state.audio = AudioStage() if settings.audio else None
+    app.state.sessions = {}  # id -> live RealtimeSession (introspection for tests and debugging)
+    app.state.metrics = Metrics(lambda: app.state.engine.stats() if app.state.engine is not None else None,
+                                lambda: app.state.audio.stats() if app.state.audio is not None else None)
     if engine is not None:
         _attach(app, engine)
     return app
@@ -127,8 +137,13 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
             await websocket.close(code=1008, reason=message)
         return
     await websocket.accept(subprotocol=hs.subprotocol)
-    session = RealtimeSession(websocket, state.engine, state.renderer, state.metrics, hs, settings.limits)
-    await session.run()
+    session = RealtimeSession(websocket, state.engine, state.renderer, state.metrics, hs, settings.limits,
+                              audio=state.audio)
+    state.sessions[session.id] = session
+    try:
+        await session.run()
+    finally:
+        state.sessions.pop(session.id, None)
     if session.close_reason != "client closed":  # we are ending it (slow reader): say why, without waiting long
         with contextlib.suppress(Exception):
             await asyncio.wait_for(websocket.close(code=1008, reason=(session.close_reason or "")[:120]), 1.0)

@@ -34,6 +34,7 @@ class Item:
     arguments: str | None = None
     output: str | None = None
     audio_ms: dict[int, int] = field(default_factory=dict)
+    audio_marks: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # (audio ms, transcript chars)
 
     def to_dict(self, include_audio: bool = False) -> dict:
         out: dict[str, Any] = {"id": self.id, "object": "realtime.item", "type": self.type, "status": self.status}
@@ -146,11 +147,27 @@ def truncate_part(item: Item, content_index: int, audio_end_ms: int) -> None:
         raise p.ProtocolError(f"audio_end_ms {audio_end_ms} is longer than the audio ({total} ms).",
                               "invalid_value", "audio_end_ms")
     transcript = part.get("transcript") or ""
-    keep = len(transcript) * audio_end_ms // total if total else 0
+    marks = item.audio_marks.get(content_index)
+    if marks:  # spoken clause by clause: keep the clauses heard, a share of the one playing
+        lo_ms, lo_chars, keep = 0, 0, None
+        for ms, chars in marks:
+            if audio_end_ms >= ms:
+                lo_ms, lo_chars = ms, chars
+                continue
+            keep = lo_chars + (chars - lo_chars) * (audio_end_ms - lo_ms) // max(1, ms - lo_ms)
+            break
+        floor = lo_chars
+        keep = lo_chars if keep is None else keep
+        item.audio_marks[content_index] = [m for m in marks if m[0] <= audio_end_ms]
+    else:
+        keep = len(transcript) * audio_end_ms // total if total else 0
+        floor = 0
     cut = transcript[:keep]
-    if keep < len(transcript) and " " in cut:
-        cut = cut[:cut.rfind(" ")]
-    part["transcript"] = cut
+    if keep < len(transcript) and not transcript[keep].isspace() and " " in cut[floor:]:
+        cut = cut[:cut.rfind(" ")]  # never end on half a word
+    elif keep < len(transcript) and not transcript[keep].isspace():
+        cut = cut[:floor]
+    part["transcript"] = cut.rstrip()
     part.pop("audio", None)
     item.audio_ms[content_index] = audio_end_ms
 

@@ -47,8 +47,32 @@ class EngineCollector:
                 yield CounterMetricFamily(name, doc, value=stats[key])
 
 
-class Metrics:
+class AudioCollector:
+    """Whisper worker stats (batching, real-time factor) on every scrape."""
+
     def __init__(self, stats: Callable[[], dict | None]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        tr = stats and stats.get("transcriber")
+        if not tr:
+            return
+        yield GaugeMetricFamily("rtserve_transcriptions_inflight", "Transcription requests queued or decoding.",
+                                value=stats["transcriptions_inflight"])
+        yield CounterMetricFamily("rtserve_whisper_requests", "Transcription requests.", value=tr["requests"])
+        yield CounterMetricFamily("rtserve_whisper_batches", "Whisper encoder batches.", value=tr["batches"])
+        yield GaugeMetricFamily("rtserve_whisper_max_batch", "Largest Whisper encoder batch.", value=tr["max_batch"])
+        sizes = GaugeMetricFamily("rtserve_whisper_batch_size_count", "Whisper encoder batches by size.",
+                                  labels=["size"])
+        for size, n in tr["batch_sizes"].items():
+            sizes.add_metric([str(size)], n)
+        yield sizes
+        yield GaugeMetricFamily("rtserve_whisper_rtf", "Whisper compute seconds per audio second.", value=tr["rtf"])
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], dict | None], audio_stats: Callable[[], dict | None] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.sessions_active = Gauge("rtserve_sessions_active", "Open Realtime WebSocket sessions.",
                                      registry=self.registry)
@@ -61,6 +85,8 @@ class Metrics:
             self.ttft.labels(api)
             self.itl.labels(api)
         self.registry.register(EngineCollector(stats))
+        if audio_stats is not None:
+            self.registry.register(AudioCollector(audio_stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

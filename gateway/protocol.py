@@ -219,7 +219,7 @@ _BETA_TYPES = {
     "response.output_audio_transcript.delta": "response.audio_transcript.delta",
     "response.output_audio_transcript.done": "response.audio_transcript.done",
 }
-_BETA_DROP = {"conversation.item.done"}  # the beta dialect has no such event
+_BETA_DROP = {"conversation.item.done", "input_audio_buffer.timeout_triggered"}  # beta has no such events
 _BETA_CONTENT = {"output_text": "text", "output_audio": "audio"}
 
 

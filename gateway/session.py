@@ -5,14 +5,14 @@ starts the single active response as a task. Every outgoing event goes through `
 connection's dialect and puts it on a bounded queue drained by one writer task: the engine and other sessions never wait
 for a slow client, and a client whose queue overflows (or whose socket stays blocked too long) is disconnected.
 
-Audio integration points (the text build answers audio events with an `audio_unavailable` error):
-- `input_audio_buffer.*` → `_on_input_audio_buffer_append/commit/clear` (replace; commit creates a user item with an
-  `input_audio` part via `add_item()`, then transcription fills its `transcript`).
-- Output: `_open_output()` picks the sink for a response; `TextOutput` streams `response.output_text.*`. An audio sink
-  (TTS) implements the same three methods and emits `response.output_audio_transcript.*` + `response.output_audio.*`
-  on an `output_audio` part. GA's default `output_modalities` is ["audio"]; with no audio sink wired (`self.tts` is
-  None) such responses stream text and report `output_modalities: ["text"]`.
-- Barge-in: `cancel_response("turn_detected")`; truncate: `conversation.truncate_part` (uses `Item.audio_ms`).
+Audio (gateway/voice.py; a server without the audio stage answers audio events with `audio_unavailable`):
+- `input_audio_buffer.*` and `input_audio` items go to the session's `VoiceInput` (ordered, VAD in a worker thread);
+  a commit adds a user item with an `input_audio` part whose `transcript` the shared Whisper worker fills. A response
+  waits for those transcripts: they are the user turn the LLM sees.
+- Output: `_open_output()` picks the sink; `TextOutput` streams `response.output_text.*`, `AudioOutput` (when
+  `output_modalities` is ["audio"]) streams the transcript and speaks it clause by clause.
+- Barge-in: speech_started → `cancel_response("turn_detected")`; truncate cuts the assistant part to what was heard
+  and rolls the session's token history back to match (`_rollback_history`), so the next prompt still extends it.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from gateway.conversation import Conversation, Item, PromptRenderer, Rendered, p
     truncate_part
 from gateway.handshake import Handshake
 from gateway.metrics import LatencyTimer, Metrics
+from gateway.voice import AudioOutput, AudioStage, VoiceInput
 
 log = logging.getLogger("rtserve.session")
 
@@ -60,6 +61,7 @@ class ActiveResponse:
     status: str = "in_progress"
     status_details: dict | None = None
     usage: dict | None = None
+    output: Any = None  # the sink streaming this response (TextOutput | AudioOutput)
 
     @property
     def in_conversation(self) -> bool:
@@ -93,7 +95,7 @@ class TextOutput:
 
 class RealtimeSession:
     def __init__(self, ws: WebSocket, engine, renderer: PromptRenderer, metrics: Metrics, hs: Handshake,
-                 limits: SessionLimits | None = None) -> None:
+                 limits: SessionLimits | None = None, audio: AudioStage | None = None) -> None:
         self.ws, self.engine, self.renderer, self.metrics, self.hs = ws, engine, renderer, metrics, hs
         self.limits = limits or SessionLimits()
         self.dialect = hs.dialect
@@ -102,7 +104,11 @@ class RealtimeSession:
         self.conversation = Conversation()
         self.active: ActiveResponse | None = None
         self.rendered: Rendered | None = None  # the append-only prompt state (last prompt + its answer)
-        self.tts = None  # audio output sink factory, set by the audio integration
+        self.audio = audio
+        self.tts = (lambda session, resp: AudioOutput(session, resp, audio)) if audio is not None else None
+        self._voice: VoiceInput | None = None  # created on the first audio input (loads nothing before)
+        self.transcribe_only = hs.intent == "transcription"
+        self._last_turn: tuple[str, Rendered, list[int]] | None = None  # (item id, prompt, output ids)
         self.closed = asyncio.Event()
         self.close_reason: str | None = None
         self._queue: asyncio.Queue[str | None] = asyncio.Queue(self.limits.send_queue_max)
@@ -126,6 +132,8 @@ class RealtimeSession:
             self.metrics.sessions_active.dec()
 
     async def _teardown(self, *tasks: asyncio.Task) -> None:
+        if self._voice is not None:
+            self._voice.close()
         resp = self.active
         if resp is not None and resp.task is not None:
             resp.task.cancel()
@@ -199,6 +207,8 @@ class RealtimeSession:
         p.check_known(event, {"type", "event_id", "session"}, "")
         update = p.get_dict(event, "session", "session", required=True)
         self.config = sc.apply_update(self.config, update, self.dialect)
+        if self._voice is not None:
+            self._voice.configure()
         self.send({"type": "session.updated", "session": sc.render(self.config, self.dialect)})
 
     def _on_item_create(self, event: dict) -> None:
@@ -206,8 +216,11 @@ class RealtimeSession:
         raw = p.get_dict(event, "item", "item", required=True)
         previous = p.get_str(event, "previous_item_id", "previous_item_id", nullable=True)
         item = parse_item(raw, "item")
-        self._check_audio_parts(item)
-        self.add_item(item, previous)
+        if self._check_audio_parts(item):
+            voice = self.voice()
+            voice.submit(lambda: voice.add_audio_item(item, previous), p.client_event_id(event))
+        else:
+            self.add_item(item, previous)
 
     def add_item(self, item: Item, previous_item_id: str | None = None) -> None:
         """Insert into the conversation and announce it (also the hook for committed audio)."""
@@ -239,6 +252,7 @@ class RealtimeSession:
             raise p.bad_value("content_index", index, f"an index below {len(item.content)}")
         self._check_not_generating(item_id)
         truncate_part(item, index, end_ms)
+        self._rollback_history(item)
         self.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": index,
                    "audio_end_ms": end_ms})
 
@@ -248,7 +262,14 @@ class RealtimeSession:
             raise p.ProtocolError(f"Conversation already has an active response in progress: {self.active.id}. "
                                   "Wait until the response is finished before creating a new one.",
                                   "conversation_already_has_active_response", None)
-        params = sc.response_params(self.config, event.get("response"), self.dialect)
+        if self.transcribe_only:
+            raise p.ProtocolError("This is a transcription session (intent=transcription): it transcribes input "
+                                  "audio and creates no responses.", "invalid_request", "type")
+        self.start_response(event.get("response"))
+
+    def start_response(self, raw: dict | None) -> ActiveResponse:
+        """Create the single active response (response.create, or server VAD at the end of a turn)."""
+        params = sc.response_params(self.config, raw, self.dialect)
         items = self._resolve_input(params.input) if params.input is not None else None
         modalities = params.output_modalities if self.tts is not None else ["text"]
         resp = ActiveResponse(p.new_id("resp"), params, request_id=None, items=items, output_modalities=modalities)
@@ -257,6 +278,7 @@ class RealtimeSession:
         self.send({"type": "response.created", "response": self._response_dict(resp)})
         self._send_rate_limits()
         resp.task = asyncio.create_task(self._run_response(resp), name=resp.id)
+        return resp
 
     def _on_response_cancel(self, event: dict) -> None:
         p.check_known(event, {"type", "event_id", "response_id"}, "")
@@ -270,6 +292,49 @@ class RealtimeSession:
         raise p.ProtocolError(f"{event['type']} is not available: this server runs without the audio stage.",
                               "audio_unavailable", "type")
 
+    def voice(self) -> VoiceInput:
+        if self.audio is None:
+            raise p.ProtocolError("Audio input is not available: this server runs without the audio stage.",
+                                  "audio_unavailable", "type")
+        if self._voice is None:
+            self._voice = VoiceInput(self, self.audio)
+        return self._voice
+
+    def _on_append(self, event: dict) -> None:
+        if self.audio is None:
+            self._on_audio_unavailable(event)
+        p.check_known(event, {"type", "event_id", "audio"}, "")
+        audio = p.get_str(event, "audio", "audio", required=True)
+        if not audio:
+            raise p.ProtocolError("audio is empty.", "invalid_value", "audio")
+        voice = self.voice()
+        voice.submit(lambda: voice.append(audio), p.client_event_id(event))
+
+    def _on_commit(self, event: dict) -> None:
+        if self.audio is None:
+            self._on_audio_unavailable(event)
+        p.check_known(event, {"type", "event_id"}, "")
+        voice = self.voice()
+        voice.submit(voice.commit, p.client_event_id(event))
+
+    def _on_clear(self, event: dict) -> None:
+        if self.audio is None:
+            self._on_audio_unavailable(event)
+        p.check_known(event, {"type", "event_id"}, "")
+        voice = self.voice()
+        voice.submit(voice.clear, p.client_event_id(event))
+
+    def _on_output_audio_clear(self, event: dict) -> None:
+        """Stop the active response's audio (its text goes on); the client drops what it has not played."""
+        if self.audio is None:
+            self._on_audio_unavailable(event)
+        p.check_known(event, {"type", "event_id"}, "")
+        resp = self.active
+        if resp is None or not isinstance(resp.output, AudioOutput):
+            raise p.ProtocolError("No response audio is being produced.", "response_audio_not_active", None)
+        resp.output.mute()
+        self.send({"type": "output_audio_buffer.cleared", "response_id": resp.id})
+
     _handlers = {
         "session.update": _on_session_update,
         "conversation.item.create": _on_item_create,
@@ -278,10 +343,10 @@ class RealtimeSession:
         "conversation.item.truncate": _on_item_truncate,
         "response.create": _on_response_create,
         "response.cancel": _on_response_cancel,
-        "input_audio_buffer.append": _on_audio_unavailable,
-        "input_audio_buffer.commit": _on_audio_unavailable,
-        "input_audio_buffer.clear": _on_audio_unavailable,
-        "output_audio_buffer.clear": _on_audio_unavailable,
+        "input_audio_buffer.append": _on_append,
+        "input_audio_buffer.commit": _on_commit,
+        "input_audio_buffer.clear": _on_clear,
+        "output_audio_buffer.clear": _on_output_audio_clear,
     }
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -298,11 +363,21 @@ class RealtimeSession:
             self._finish_response(resp, None, None, [], 0, 0)
         return True
 
-    def _check_audio_parts(self, item: Item) -> None:
+    def _check_audio_parts(self, item: Item, param: str = "item") -> bool:
+        """Whether the item has input audio to transcribe (the audio stage must exist and get the audio)."""
+        needs = False
         for i, part in enumerate(item.content):
-            if part["type"] == "input_audio" and part.get("transcript") is None:
+            if part["type"] != "input_audio" or part.get("transcript") is not None:
+                continue
+            if self.audio is None:
                 raise p.ProtocolError("input_audio content needs the audio stage (not available); send "
-                                      "input_text or a transcript.", "audio_unavailable", f"item.content[{i}]")
+                                      "input_text or a transcript.", "audio_unavailable", f"{param}.content[{i}]")
+            if part.get("audio") is None:
+                raise p.ProtocolError("input_audio content needs `audio` (base64 in the session's input format) "
+                                      "or a `transcript`.", "missing_required_parameter",
+                                      f"{param}.content[{i}].audio")
+            needs = True
+        return needs
 
     def _check_not_generating(self, item_id: str) -> None:
         if self.active is not None and self.active.item is not None and self.active.item.id == item_id:
@@ -316,7 +391,10 @@ class RealtimeSession:
                                                    f"response.input[{i}].id"))
             else:
                 item = parse_item(raw, f"response.input[{i}]")
-                self._check_audio_parts(item)
+                if self._check_audio_parts(item, f"response.input[{i}]"):
+                    raise p.ProtocolError("input_audio in response.input needs a `transcript`; send the audio with "
+                                          "conversation.item.create first.", "invalid_value",
+                                          f"response.input[{i}]")
                 items.append(item)
         return items
 
@@ -371,6 +449,9 @@ class RealtimeSession:
         prompt = None
         output = None
         try:
+            if self._voice is not None and resp.items is None:  # the committed speech is this turn's prompt
+                await self._voice.barrier()
+                await self._voice.wait_transcripts()
             prompt = await self._build_prompt(resp)
             room = self.engine.max_model_len - len(prompt.ids)
             wanted = resp.params.max_output_tokens
@@ -387,7 +468,7 @@ class RealtimeSession:
                 before = self.conversation.insert(resp.item)
                 self.send({"type": "conversation.item.added", "previous_item_id": before,
                            "item": resp.item.to_dict()})
-            output = self._open_output(resp)
+            output = resp.output = self._open_output(resp)
             loop = asyncio.get_running_loop()
             timer = LatencyTimer(self.metrics, "realtime", loop.time())
             gen = self.engine.generate(resp.request_id, prompt.ids, sampling, priority=REALTIME_PRIORITY,
@@ -411,7 +492,11 @@ class RealtimeSession:
                         else:
                             resp.status = "completed"
                             resp.status_details = None
+            if isinstance(output, AudioOutput):
+                await output.finish()  # the rest of the reply is spoken before response.done
         except asyncio.CancelledError:
+            if isinstance(output, AudioOutput):
+                output.cancel()
             if not finished:
                 await self._abort(resp.request_id)
             if resp.cancel_reason is None:  # the session is closing: nobody to tell
@@ -453,6 +538,9 @@ class RealtimeSession:
                 self.send({"type": "conversation.item.done", "previous_item_id": before, "item": item})
         if resp.extends_session and prompt is not None and resp.item is not None:
             self.rendered = self.renderer.extend(prompt, out_ids)
+            self._last_turn = (resp.item.id, prompt, list(out_ids))
+        if self._voice is not None:
+            self._voice.response_finished(int(output.audio_ms) if isinstance(output, AudioOutput) else 0)
         n_out = len(out_ids)
         resp.usage = {"total_tokens": n_prompt + n_out, "input_tokens": n_prompt, "output_tokens": n_out,
                       "input_token_details": {"text_tokens": n_prompt, "audio_tokens": 0, "image_tokens": 0,
@@ -462,6 +550,26 @@ class RealtimeSession:
                       "output_token_details": {"text_tokens": n_out, "audio_tokens": 0}}
         self.active = None
         self.send({"type": "response.done", "response": self._response_dict(resp)})
+
+
+    def _rollback_history(self, item: Item) -> None:
+        """After a truncate of the last answer: the token history keeps only the output tokens whose text is still in
+        the item, so the next prompt extends it (prefix-cache hit up to the cut) instead of holding unheard text."""
+        if self._last_turn is None or self._last_turn[0] != item.id:
+            return  # older items: the next render no longer extends `rendered` and re-renders in full
+        _, prompt, out_ids = self._last_turn
+        kept = item.text()
+        decode = lambda k: self.renderer.tokenizer.decode(out_ids[:k], skip_special_tokens=False,  # noqa: E731
+                                                          clean_up_tokenization_spaces=False)
+        lo, hi = 0, len(out_ids)  # the longest k whose text is a prefix of what is kept
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if kept.startswith(decode(mid)):
+                lo = mid
+            else:
+                hi = mid - 1
+        self.rendered = Rendered(prompt.text + decode(lo), prompt.ids + out_ids[:lo])
+        self._last_turn = (item.id, prompt, out_ids[:lo])
 
 
 def _stop_token_ids(tokenizer) -> list[int]:

@@ -342,7 +342,7 @@ async def test_errors_each_answered_once_and_session_continues(server):
                                       "content": [{"type": "input_text", "text": "hi"}]}},
                        "item_not_found", "previous_item_id", "e15")
     await expect_error(raw, {"type": "input_audio_buffer.append", "event_id": "e16", "audio": ""},
-                       "audio_unavailable", "type", "e16")
+                       "invalid_value", "audio", "e16")
     big = '{"type": "input_audio_buffer.append", "event_id": "e17", "audio": "' + "A" * MAX_FRAME_BYTES + '"}'
     await expect_error(raw, big, "event_too_large", None, "e17")
     # A second response.create while one is active.

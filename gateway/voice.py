@@ -1,0 +1,379 @@
+"""Voice: the audio stage wired into a Realtime session (speech in via VAD + Whisper, speech out via piper).
+
+`AudioStage` holds the process-wide workers (one batched Whisper transcriber, one TTS thread), shared by every session
+like the LLM engine. `VoiceInput` is one session's input side: appends, commits and clears go through one ordered
+queue, and the per-append work (base64 decode, resampling, silero VAD) runs in a worker thread, so the event loop only
+routes events. `AudioOutput` is the response sink for `output_modalities: ["audio"]`: LLM text is cut into clauses as
+it streams and each clause is spoken while the LLM keeps decoding, so the first audio does not wait for the reply.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from audio.buffer import InputAudioBuffer
+from audio.chunker import SentenceChunker
+from audio.codecs import AudioError, b64decode, decode_audio, int16_to_float, parse_audio_format
+from audio.resample import resample
+from audio.transcriber import TranscriptionError, Transcriber
+from audio.tts import TTSError, TTSWorker
+from audio.vad import StreamingVAD, semantic_vad_silence_ms
+from gateway import protocol as p
+from gateway.conversation import Item
+
+log = logging.getLogger("rtserve.voice")
+
+MAX_PENDING_OPS = 256  # input events queued per session before appends are refused (client outpaces the VAD)
+AUDIO_DELTA_MS = 200  # one response.output_audio.delta carries at most this much audio
+
+
+@dataclass(slots=True)
+class AudioStage:
+    """Shared audio workers. Created cheaply; `start()` spawns them (Whisper loads in its own thread)."""
+    transcriber: Transcriber | None = None
+    tts: TTSWorker | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def start(self) -> "AudioStage":
+        with self._lock:
+            if self.transcriber is None:
+                self.transcriber = Transcriber()
+            if self.tts is None:
+                self.tts = TTSWorker()
+        return self
+
+    async def warmup(self) -> None:
+        """Load the TTS voice (and Whisper, already loading in its thread) before the first caller waits on it."""
+        self.start()
+        with contextlib.suppress(Exception):
+            await self.tts.warmup()
+
+    def close(self) -> None:
+        if self.transcriber is not None:
+            self.transcriber.close()
+        if self.tts is not None:
+            self.tts.close()
+
+    def stats(self) -> dict:
+        tr = self.transcriber
+        return {"transcriber": tr.stats.snapshot() if tr is not None else None,
+                "transcriptions_inflight": tr.inflight if tr is not None else 0}
+
+
+def vad_from_config(turn: dict | None, position_ms: int) -> StreamingVAD | None:
+    """The session's turn detection as a streaming VAD on the buffer's clock (None: manual commits)."""
+    if turn is None:
+        return None
+    if turn["type"] == "semantic_vad":  # no semantic model here: eagerness picks the silence window
+        vad = StreamingVAD(silence_duration_ms=semantic_vad_silence_ms(turn.get("eagerness")))
+    else:
+        threshold = min(max(float(turn["threshold"]), 0.01), 0.99)
+        vad = StreamingVAD(threshold=threshold, prefix_padding_ms=turn["prefix_padding_ms"],
+                           silence_duration_ms=turn["silence_duration_ms"])
+    vad.reset(position_ms=position_ms)
+    return vad
+
+
+def audio_error(exc: AudioError) -> p.ProtocolError:
+    return p.ProtocolError(exc.message, exc.code, exc.param)
+
+
+class VoiceInput:
+    """One session's input audio: buffer, VAD, commits and the transcriptions that fill user items."""
+
+    def __init__(self, session, stage: AudioStage) -> None:
+        self.s, self.stage = session, stage.start()
+        audio_in = session.config["audio"]["input"]
+        self.buf = InputAudioBuffer(parse_audio_format(audio_in["format"]))
+        self.turn = audio_in["turn_detection"]
+        self.vad = vad_from_config(self.turn, 0)
+        self.speech_item_id: str | None = None  # announced in speech_started, used by the item it commits
+        self.idle_anchor_ms: int | None = None  # input timeline ms when the last reply stopped playing
+        self.transcripts: dict[str, asyncio.Task] = {}
+        self.last_speech_stopped: float | None = None  # loop time, for latency stats
+        self._ops: asyncio.Queue = asyncio.Queue()
+        self._worker: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------------------------- ordered input ops
+    def submit(self, op, event_id: str | None) -> None:
+        """Queue an input op (a coroutine function); ops run one at a time in arrival order."""
+        if self._ops.qsize() >= MAX_PENDING_OPS:
+            raise p.ProtocolError(f"Input audio is arriving faster than it can be processed ({MAX_PENDING_OPS} "
+                                  "events queued); this event was dropped.", "input_audio_buffer_full", None)
+        if self._worker is None:
+            self._worker = asyncio.create_task(self._run(), name=f"{self.s.id}-voice")
+        self._ops.put_nowait((op, event_id))
+
+    async def barrier(self) -> None:
+        """Wait until every input op queued so far has run (a response must see the commits sent before it)."""
+        if self._worker is None:
+            return
+        done = asyncio.get_running_loop().create_future()
+
+        async def mark():
+            done.set_result(None)
+        self._ops.put_nowait((mark, None))
+        await done
+
+    async def wait_transcripts(self) -> None:
+        """The transcript is the user turn: a response waits for the transcriptions of committed audio."""
+        pending = list(self.transcripts.values())
+        if pending:
+            await asyncio.wait(pending)
+
+    async def _run(self) -> None:
+        while True:
+            op, event_id = await self._ops.get()
+            try:
+                await op()
+            except AudioError as exc:
+                self.s.send(p.error_event(audio_error(exc), event_id))
+            except p.ProtocolError as exc:
+                self.s.send(p.error_event(exc, event_id))
+            except Exception as exc:  # a bug must not stop the session's input
+                log.exception("session %s: audio input op failed", self.s.id)
+                self.s.send(p.error_event(p.ProtocolError(f"Internal error: {exc}", None, None, "server_error"),
+                                          event_id))
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+        for task in self.transcripts.values():
+            task.cancel()
+        self.transcripts.clear()
+
+    # --------------------------------------------------------------------------------------------- the ops
+    def configure(self) -> None:
+        """Follow session.update (format, turn detection) in order with the audio already queued."""
+        audio_in = self.s.config["audio"]["input"]
+
+        async def op():
+            self.buf.set_format(parse_audio_format(audio_in["format"]))
+            if audio_in["turn_detection"] != self.turn:
+                self.turn = audio_in["turn_detection"]
+                self.vad = vad_from_config(self.turn, self.buf.timeline_ms)
+                self.speech_item_id = None
+        self.submit(op, None)
+
+    async def append(self, audio: str) -> None:
+        results = await asyncio.to_thread(self._ingest, audio, self.vad, self.turn)
+        for kind, value, seg in results:
+            if kind == "speech_started":
+                self._speech_started(value)
+            elif kind == "speech_stopped":
+                self._speech_stopped(value, seg)
+            elif kind == "timeout":
+                self._timeout(value, seg)
+
+    def _ingest(self, audio: str, vad: StreamingVAD | None, turn: dict | None) -> list:
+        """Worker thread: decode + resample + VAD; VAD-ended segments leave the buffer here."""
+        new = self.buf.append_b64(audio)
+        if vad is None:
+            return []
+        out = []
+        for ev in vad.feed(new):
+            if ev.type == "speech_started":
+                out.append(("speech_started", ev, None))
+            else:
+                out.append(("speech_stopped", ev, self.buf.commit_range(ev.audio_start_ms, ev.audio_end_ms)))
+        if not vad.speaking:
+            idle = turn.get("idle_timeout_ms") if turn else None
+            anchor = self.idle_anchor_ms
+            if idle and anchor is not None and vad.position_ms >= anchor + idle:
+                self.idle_anchor_ms = None
+                start = max(anchor, self.buf.start_ms)
+                out.append(("timeout", (start, vad.position_ms), self.buf.commit_range(start, vad.position_ms)))
+            self.buf.discard_before(vad.position_ms - vad.prefix_padding_ms)
+        return out
+
+    async def commit(self) -> None:
+        seg = await asyncio.to_thread(self.buf.commit)
+        if self.vad is not None:
+            self.vad.reset(position_ms=self.buf.timeline_ms)
+        item_id, self.speech_item_id = self.speech_item_id, None
+        self._commit(seg.audio_16k, item_id)
+
+    async def clear(self) -> None:
+        await asyncio.to_thread(self.buf.clear)
+        if self.vad is not None:
+            self.vad.reset(position_ms=self.buf.timeline_ms)
+        self.speech_item_id = None
+        self.s.send({"type": "input_audio_buffer.cleared"})
+
+    async def add_audio_item(self, item: Item, previous_item_id: str | None) -> None:
+        """conversation.item.create with `input_audio` content: decode each part's audio, then transcribe it."""
+        fmt = self.buf.format
+        clips = {}
+        for i, part in enumerate(item.content):
+            if part["type"] == "input_audio" and part.get("audio") is not None and part.get("transcript") is None:
+                clips[i] = await asyncio.to_thread(_decode_clip, part["audio"], fmt, f"item.content[{i}].audio")
+        self.s.add_item(item, previous_item_id)
+        for i, clip in clips.items():
+            self._start_transcription(item, i, clip)
+
+    # ------------------------------------------------------------------------------------------ VAD events
+    def _speech_started(self, ev) -> None:
+        self.speech_item_id = p.new_id("item")
+        self.idle_anchor_ms = None
+        self.s.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": ev.audio_start_ms,
+                     "item_id": self.speech_item_id})
+        if self.turn and self.turn.get("interrupt_response", True) and self.s.active is not None:
+            self.s.cancel_response("turn_detected")
+
+    def _speech_stopped(self, ev, seg) -> None:
+        item_id, self.speech_item_id = self.speech_item_id or p.new_id("item"), None
+        self.last_speech_stopped = asyncio.get_running_loop().time()
+        self.s.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ev.audio_end_ms,
+                     "item_id": item_id})
+        self._commit(seg.audio_16k, item_id)
+        self._auto_respond()
+
+    def _timeout(self, span, seg) -> None:
+        item_id = p.new_id("item")
+        self.s.send({"type": "input_audio_buffer.timeout_triggered", "audio_start_ms": span[0],
+                     "audio_end_ms": span[1], "item_id": item_id})
+        self._commit(seg.audio_16k, item_id)
+        self._auto_respond()
+
+    def _auto_respond(self) -> None:
+        if self.turn and self.turn.get("create_response", True) and not self.s.transcribe_only \
+                and self.s.active is None:
+            self.s.start_response(None)
+
+    def response_finished(self, audio_ms: int) -> None:
+        """Start the idle clock when the reply's audio would have finished playing (idle_timeout_ms)."""
+        if self.turn and self.turn.get("idle_timeout_ms"):
+            self.idle_anchor_ms = self.buf.timeline_ms + audio_ms
+
+    # ------------------------------------------------------------------------------------- commit/transcribe
+    def _commit(self, audio_16k: np.ndarray, item_id: str | None) -> None:
+        item = Item(item_id or p.new_id("item"), "message", role="user",
+                    content=[{"type": "input_audio", "transcript": None}])
+        previous = self.s.conversation.items[-1].id if self.s.conversation.items else None
+        self.s.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item.id})
+        self.s.add_item(item)
+        self._start_transcription(item, 0, audio_16k)
+
+    def _start_transcription(self, item: Item, index: int, audio_16k: np.ndarray) -> None:
+        task = asyncio.create_task(self._transcribe(item, index, audio_16k), name=f"{item.id}-transcribe")
+        self.transcripts[item.id] = task
+        task.add_done_callback(lambda t, key=item.id: self.transcripts.pop(key, None)
+                               if self.transcripts.get(key) is t else None)
+
+    async def _transcribe(self, item: Item, index: int, audio_16k: np.ndarray) -> None:
+        part = item.content[index]
+        ids = {"item_id": item.id, "content_index": index}
+        try:
+            stream = self.stage.transcriber.transcribe(audio_16k)
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    self.s.send({"type": "conversation.item.input_audio_transcription.delta", **ids, "delta": delta})
+            part["transcript"] = stream.text or ""
+            self.s.send({"type": "conversation.item.input_audio_transcription.completed", **ids,
+                         "transcript": part["transcript"],
+                         "usage": {"type": "duration", "seconds": round(len(audio_16k) / 16000, 3)}})
+        except TranscriptionError as exc:
+            part["transcript"] = ""
+            self.s.send({"type": "conversation.item.input_audio_transcription.failed", **ids,
+                         "error": {"type": "transcription_error", "code": exc.code, "message": str(exc),
+                                   "param": None}})
+
+
+def _decode_clip(audio: str, fmt, param: str) -> np.ndarray:
+    """Base64 audio in the session's input format → 16 kHz float32."""
+    samples = decode_audio(b64decode(audio, param), fmt, param)
+    if 1000 * len(samples) / fmt.rate < 100:
+        raise AudioError(f"{param} holds {1000 * len(samples) / fmt.rate:.1f} ms of audio; at least 100 ms is "
+                         "needed", code="input_audio_buffer_commit_empty", param=param)
+    return resample(int16_to_float(samples), fmt.rate, 16000)
+
+
+class AudioOutput:
+    """Response sink for audio: transcript deltas as the LLM streams, audio deltas as clauses are spoken.
+
+    `marks` pairs the audio played so far (ms) with how much of the transcript it covers, so truncation at
+    `audio_end_ms` keeps exactly the clauses heard (and a proportional share of the clause being played).
+    """
+
+    def __init__(self, session, resp, stage: AudioStage) -> None:
+        self.s, self.resp, self.tts = session, resp, stage.start().tts
+        aout = session.config["audio"]["output"]
+        self.fmt = parse_audio_format(aout["format"], "audio.output.format")
+        self.speed = float(aout.get("speed") or 1.0)
+        self.part = {"type": "output_audio", "transcript": ""}
+        resp.item.content.append(self.part)
+        self.index = len(resp.item.content) - 1
+        self.marks: list[tuple[int, int]] = []
+        resp.item.audio_marks[self.index] = self.marks
+        resp.item.audio_ms[self.index] = 0
+        self.audio_ms = 0.0
+        self.first_audio_at: float | None = None
+        self.muted = False
+        self._chunker = SentenceChunker(first_min_words=3)
+        self._search = 0
+        self._pieces: asyncio.Queue = asyncio.Queue()
+        self._ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0, "content_index": self.index}
+        session.send({"type": "response.content_part.added", **self._ids,
+                      "part": {"type": "audio", "transcript": ""}})
+        self._task = asyncio.create_task(self._speak(), name=f"{resp.id}-tts")
+
+    def delta(self, text: str) -> None:
+        self.part["transcript"] += text
+        self.s.send({"type": "response.output_audio_transcript.delta", **self._ids, "delta": text})
+        for piece in self._chunker.push(text):
+            self._queue(piece)
+
+    def _queue(self, piece: str) -> None:
+        text = self.part["transcript"]
+        at = text.find(piece, self._search)
+        self._search = at + len(piece) if at >= 0 else len(text)
+        self._pieces.put_nowait((piece, self._search))
+
+    async def finish(self) -> None:
+        """The LLM is done: speak the rest and wait for the last audio."""
+        for piece in self._chunker.flush():
+            self._queue(piece)
+        self._pieces.put_nowait(None)
+        await self._task
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    def mute(self) -> None:
+        """output_audio_buffer.clear: stop producing audio for this response (the text goes on)."""
+        self.muted = True
+        self._task.cancel()
+
+    async def _speak(self) -> None:
+        while (job := await self._pieces.get()) is not None:
+            piece, chars = job
+            try:
+                raw = await self.tts.speak_format(piece, self.fmt, self.speed)
+            except TTSError as exc:
+                log.warning("response %s: TTS failed for %r: %s", self.resp.id, piece[:40], exc)
+                continue
+            if self.first_audio_at is None:
+                self.first_audio_at = asyncio.get_running_loop().time()
+            step = max(2, int(self.fmt.rate * self.fmt.bytes_per_sample * AUDIO_DELTA_MS / 1000))
+            for i in range(0, len(raw), step):
+                self.s.send({"type": "response.output_audio.delta", **self._ids,
+                             "delta": base64.b64encode(raw[i:i + step]).decode("ascii")})
+            self.audio_ms += self.fmt.duration_ms(len(raw))
+            self.marks.append((int(self.audio_ms), chars))
+            self.resp.item.audio_ms[self.index] = int(self.audio_ms)
+
+    def done(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+        transcript = self.part["transcript"]
+        self.s.send({"type": "response.output_audio.done", **self._ids})
+        self.s.send({"type": "response.output_audio_transcript.done", **self._ids, "transcript": transcript})
+        self.s.send({"type": "response.content_part.done", **self._ids,
+                     "part": {"type": "audio", "transcript": transcript}})
