@@ -282,6 +282,9 @@ def test_voice_turn_barge_in_and_typed_turn(gateway, browser, speech_wav, out_di
         print(f"typed reply: {reply!r}")
         s = pg.state()
         assert s["error"] is None, s["error"]
+        pg.wait("window.rtserveDemo.state.playbackStarted", 30, "the typed turn's spoken reply to play")
+        pg.wait("document.querySelector('[data-testid=playback]').dataset.state === 'idle'", 60,
+                "the typed turn's reply audio to finish")
         pg.page.screenshot(path=str(out_dir / "web_demo.png"), full_page=False)
         assert pg.errors == [], pg.errors
     finally:
