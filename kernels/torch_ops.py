@@ -30,15 +30,30 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 @dataclass(slots=True)
+class _DecodeGroup:
+    tokens: torch.Tensor        # [nd] rows of q that are single-token decodes
+    blocks: torch.Tensor        # [nd * nb] block ids; padded entries point at block 0 and are masked
+    mask: torch.Tensor          # [nd, 1, 1, nb * block_size] True = attend
+
+
+@dataclass(slots=True)
 class _Plan:
     """Index tensors for one step, shared by every layer (the metadata tensors are the same objects in all layers)."""
-    decode_tokens: torch.Tensor | None      # [nd] rows of q that are single-token decodes
-    decode_blocks: torch.Tensor | None      # [nd * nb] block ids, padded entries point at block 0 and are masked
-    decode_mask: torch.Tensor | None        # [nd, 1, 1, nb * block_size] True = attend
-    prefills: list                          # (start, n, block ids [nb], mask [n, ctx]) per multi-token sequence
+    decodes: list               # _DecodeGroup per bucket of similar context lengths
+    prefills: list              # (start, n, block ids [nb], mask [n, nb * block_size]) per multi-token sequence
 
 
 _last_plan: list = [None, None]             # [key tensors, plan]
+GROUP_COST_TOKENS = 2048                    # one more SDPA call costs about as much as this many padded keys
+
+
+def _split_by_length(lens: list[int]) -> list[int]:
+    """Cut points over ascending context lengths minimising padded work (n_g * max_len_g) plus a per-call cost, so a
+    few long contexts do not pad every short one. O(n^2) DP over at most max_num_seqs entries, once per step."""
+    best = [(0, [])]
+    for j in range(1, len(lens) + 1):
+        best.append(min((best[i][0] + (j - i) * lens[j - 1] + GROUP_COST_TOKENS, best[i][1] + [j]) for i in range(j)))
+    return best[-1][1]
 
 
 def _plan(cu_seqlens_q, seq_lens, block_tables, block_size: int) -> _Plan:
@@ -50,15 +65,19 @@ def _plan(cu_seqlens_q, seq_lens, block_tables, block_size: int) -> _Plan:
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    tokens = blocks = mask = None
-    if decode:
-        nb = -(-max(lens[i] for i in decode) // block_size)
-        rows = torch.tensor(decode, dtype=torch.long, device=dev)
-        tokens = torch.tensor([cu[i] for i in decode], dtype=torch.long, device=dev)
-        blocks = block_tables[rows, :nb].long().clamp_min(0).flatten()
-        ctx = torch.tensor([lens[i] for i in decode], device=dev)
-        mask = (torch.arange(nb * block_size, device=dev).unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :]
+    decode = sorted((i for i, n in enumerate(q_lens) if n == 1), key=lambda i: lens[i])
+    groups = []
+    start = 0
+    for end in (_split_by_length([lens[i] for i in decode]) if decode else []):
+        idx = decode[start:end]
+        start = end
+        nb = -(-lens[idx[-1]] // block_size)
+        rows = torch.tensor(idx, dtype=torch.long, device=dev)
+        ctx = torch.tensor([lens[i] for i in idx], device=dev)
+        groups.append(_DecodeGroup(
+            tokens=torch.tensor([cu[i] for i in idx], dtype=torch.long, device=dev),
+            blocks=block_tables[rows, :nb].long().clamp_min(0).flatten(),
+            mask=(torch.arange(nb * block_size, device=dev).unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :]))
     prefills = []
     for i, n in enumerate(q_lens):
         if n > 1:
@@ -68,7 +87,7 @@ def _plan(cu_seqlens_q, seq_lens, block_tables, block_size: int) -> _Plan:
             qpos = torch.arange(ctx - n, ctx, device=dev).unsqueeze(1)
             pmask = torch.arange(nb * block_size, device=dev).unsqueeze(0) <= qpos
             prefills.append((cu[i], n, block_tables[i, :nb].long(), pmask))
-    plan = _Plan(tokens, blocks, mask, prefills)
+    plan = _Plan(groups, prefills)
     _last_plan[:] = [key, plan]
     return plan
 
@@ -78,7 +97,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks + decodes) over the paged KV cache.
 
-    Decodes (one query token) are batched into one padded SDPA call; prefill chunks run one SDPA call each, since a
+    Decodes (one query token) are batched into padded SDPA calls, bucketed by context length; prefill chunks run one SDPA call each, since a
     padded batch of a 256-token chunk next to 1-token decodes would waste most of its work. Blocks are gathered with
     `index_select` (several times faster than advanced indexing on CPU), and the index plan is built once per step.
     """
@@ -88,13 +107,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if out is None:
         out = torch.empty_like(q)
     plan = _plan(cu_seqlens_q, seq_lens, block_tables, block_size)
-    if plan.decode_tokens is not None:
-        nd = plan.decode_tokens.numel()
-        k = k_cache.index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        qd = q.index_select(0, plan.decode_tokens).view(nd, num_kv_heads, group, head_dim)   # GQA groups as rows
-        o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.decode_mask, scale=scale)
-        out[plan.decode_tokens] = o.reshape(nd, num_heads, head_dim)
+    for g in plan.decodes:
+        nd = g.tokens.numel()
+        k = k_cache.index_select(0, g.blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, g.blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        qd = q.index_select(0, g.tokens).view(nd, num_kv_heads, group, head_dim)   # GQA groups as query rows
+        o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask, scale=scale)
+        out[g.tokens] = o.reshape(nd, num_heads, head_dim)
     for start, n, blocks, mask in plan.prefills:
         k = k_cache.index_select(0, blocks).flatten(0, 1).to(q.dtype).transpose(0, 1)     # [kvh, nb*bs, d]
         v = v_cache.index_select(0, blocks).flatten(0, 1).to(q.dtype).transpose(0, 1)
