@@ -40,7 +40,7 @@ class _DecodeGroup:
 class _Plan:
     """Index tensors for one step, shared by every layer (the metadata tensors are the same objects in all layers)."""
     decodes: list               # _DecodeGroup per bucket of similar context lengths
-    prefills: list              # (start, n, block ids [nb], mask [n, nb * block_size]) per multi-token sequence
+    prefills: list              # (start, n, ctx, block ids, mask [n, ctx] or None = causal) per prefill chunk
 
 
 _last_plan: list = [None, None]             # [key tensors, plan]
@@ -82,11 +82,13 @@ def _plan(cu_seqlens_q, seq_lens, block_tables, block_size: int) -> _Plan:
     for i, n in enumerate(q_lens):
         if n > 1:
             ctx = lens[i]
-            nb = -(-ctx // block_size)
-            # query j sits at position ctx - n + j; it sees keys at positions <= that
-            qpos = torch.arange(ctx - n, ctx, device=dev).unsqueeze(1)
-            pmask = torch.arange(nb * block_size, device=dev).unsqueeze(0) <= qpos
-            prefills.append((cu[i], n, block_tables[i, :nb].long(), pmask))
+            blocks = block_tables[i, :-(-ctx // block_size)].long()
+            if ctx == n:          # no cached context: plain causal, which SDPA runs as flash attention
+                pmask = None
+            else:                 # query j sits at position ctx - n + j and sees keys at positions <= that
+                qpos = torch.arange(ctx - n, ctx, device=dev).unsqueeze(1)
+                pmask = torch.arange(ctx, device=dev).unsqueeze(0) <= qpos
+            prefills.append((cu[i], n, ctx, blocks, pmask))
     plan = _Plan(groups, prefills)
     _last_plan[:] = [key, plan]
     return plan
@@ -114,10 +116,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qd = q.index_select(0, g.tokens).view(nd, num_kv_heads, group, head_dim)   # GQA groups as query rows
         o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask, scale=scale)
         out[g.tokens] = o.reshape(nd, num_heads, head_dim)
-    for start, n, blocks, mask in plan.prefills:
-        k = k_cache.index_select(0, blocks).flatten(0, 1).to(q.dtype).transpose(0, 1)     # [kvh, nb*bs, d]
-        v = v_cache.index_select(0, blocks).flatten(0, 1).to(q.dtype).transpose(0, 1)
-        qi = q[start:start + n].transpose(0, 1)                                            # [h, n, d]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+    for start, n, ctx, blocks, mask in plan.prefills:
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(q.dtype).transpose(0, 1)   # [kvh, ctx, d]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(q.dtype).transpose(0, 1)
+        qi = q[start:start + n].transpose(0, 1)                                               # [h, n, d]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=group > 1)
         out[start:start + n] = o.transpose(0, 1)
     return out
