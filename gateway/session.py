@@ -194,7 +194,10 @@ class RealtimeSession:
                     raise p.ProtocolError(f"Invalid value: '{event['type'][:100]}'. Supported values are: "
                                           + ", ".join(f"'{t}'" for t in self._handlers) + ".", "invalid_value",
                                           "type")
-                handler(self, event)
+                if self._voice is not None and self._voice.busy:  # keep client order behind queued audio work
+                    self._voice.submit(_deferred(handler, self, event), p.client_event_id(event))
+                else:
+                    handler(self, event)
             except p.ProtocolError as err:
                 self.send(p.error_event(err, p.client_event_id(event)))
             except Exception as exc:  # a bug must not end the session silently
@@ -570,6 +573,12 @@ class RealtimeSession:
                 hi = mid - 1
         self.rendered = Rendered(prompt.text + decode(lo), prompt.ids + out_ids[:lo])
         self._last_turn = (item.id, prompt, out_ids[:lo])
+
+
+def _deferred(handler, session: RealtimeSession, event: dict):
+    async def op() -> None:
+        handler(session, event)
+    return op
 
 
 def _stop_token_ids(tokenizer) -> list[int]:

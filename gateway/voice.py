@@ -100,10 +100,21 @@ class VoiceInput:
         self.last_speech_stopped: float | None = None  # loop time, for latency stats
         self._ops: asyncio.Queue = asyncio.Queue()
         self._worker: asyncio.Task | None = None
+        self._running = False
+        self._nested: list = []
+
+    @property
+    def busy(self) -> bool:
+        """Input ops are queued or running: later client events must queue behind them to keep their order."""
+        return self._running or not self._ops.empty()
 
     # ------------------------------------------------------------------------------------- ordered input ops
     def submit(self, op, event_id: str | None) -> None:
-        """Queue an input op (a coroutine function); ops run one at a time in arrival order."""
+        """Queue an input op (a coroutine function); ops run one at a time in arrival order. An op submitted by the
+        running op (a deferred handler) runs right after it, ahead of what arrived later."""
+        if self._worker is not None and asyncio.current_task() is self._worker:
+            self._nested.append((op, event_id))
+            return
         if self._ops.qsize() >= MAX_PENDING_OPS:
             raise p.ProtocolError(f"Input audio is arriving faster than it can be processed ({MAX_PENDING_OPS} "
                                   "events queued); this event was dropped.", "input_audio_buffer_full", None)
@@ -130,17 +141,23 @@ class VoiceInput:
 
     async def _run(self) -> None:
         while True:
-            op, event_id = await self._ops.get()
-            try:
-                await op()
-            except AudioError as exc:
-                self.s.send(p.error_event(audio_error(exc), event_id))
-            except p.ProtocolError as exc:
-                self.s.send(p.error_event(exc, event_id))
-            except Exception as exc:  # a bug must not stop the session's input
-                log.exception("session %s: audio input op failed", self.s.id)
-                self.s.send(p.error_event(p.ProtocolError(f"Internal error: {exc}", None, None, "server_error"),
-                                          event_id))
+            self._nested.append(await self._ops.get())
+            self._running = True
+            while self._nested:
+                await self._exec(*self._nested.pop(0))
+            self._running = False
+
+    async def _exec(self, op, event_id: str | None) -> None:
+        try:
+            await op()
+        except AudioError as exc:
+            self.s.send(p.error_event(audio_error(exc), event_id))
+        except p.ProtocolError as exc:
+            self.s.send(p.error_event(exc, event_id))
+        except Exception as exc:  # a bug must not stop the session's input
+            log.exception("session %s: audio input op failed", self.s.id)
+            self.s.send(p.error_event(p.ProtocolError(f"Internal error: {exc}", None, None, "server_error"),
+                                      event_id))
 
     def close(self) -> None:
         if self._worker is not None:
@@ -188,8 +205,8 @@ class VoiceInput:
             anchor = self.idle_anchor_ms
             if idle and anchor is not None and vad.position_ms >= anchor + idle:
                 self.idle_anchor_ms = None
-                start = max(anchor, self.buf.start_ms)
-                out.append(("timeout", (start, vad.position_ms), self.buf.commit_range(start, vad.position_ms)))
+                seg = self.buf.commit_range(max(anchor, self.buf.start_ms), vad.position_ms)  # the silence held
+                out.append(("timeout", (anchor, vad.position_ms), seg))
             self.buf.discard_before(vad.position_ms - vad.prefix_padding_ms)
         return out
 

@@ -1,0 +1,137 @@
+"""Voice input rules: G.711 µ-law round trip (beta dialect), manual commits and the 100 ms minimum, bad audio input,
+`input_audio` items, transcription-only sessions, idle timeout. Real speech synthesized in the test."""
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from audio.codecs import encode_audio
+from tests.test_voice_realtime import PCM16, QUESTION, ULAW, VOICE_SESSION, check_plausible_speech, check_turn, \
+    open_voice, response_audio, utterance, wer
+
+pytestmark = pytest.mark.slow
+
+
+async def expect_error(raw, event: dict, code: str, param: str | None = None) -> dict:
+    await raw.send({**event, "event_id": "evt_bad"})
+    ev = await raw.recv()
+    assert ev["type"] == "error", ev
+    err = ev["error"]
+    assert (err["code"], err["param"], err["event_id"]) == (code, param, "evt_bad"), err
+    return err
+
+
+async def test_g711_ulaw_round_trip_beta(server):
+    raw = await open_voice(server, {"modalities": ["audio", "text"], "input_audio_format": "g711_ulaw",
+                                    "output_audio_format": "g711_ulaw", "max_response_output_tokens": 20,
+                                    "instructions": VOICE_SESSION["instructions"]}, beta=True)
+    ulaw, on, off = utterance(QUESTION, ULAW)
+    await raw.stream(ulaw, ULAW)
+    events = await raw.until("response.done")
+    check_turn(events, on, off)
+    assert events[-1]["response"]["modalities"] == ["audio", "text"]
+    audio, transcript, _ = response_audio(events, ULAW, beta=True)
+    check_plausible_speech(audio, transcript, ULAW)
+    types = {e["type"] for e in events}
+    assert "response.output_audio.delta" not in types and "conversation.item.created" in types
+    await raw.ws.close()
+
+
+async def test_manual_commit_min_duration_and_clear(server):
+    raw = await open_voice(server, {**VOICE_SESSION, "output_modalities": ["text"],
+                                    "audio": {"input": {"turn_detection": None}}})
+    await expect_error(raw, {"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty")
+    short = encode_audio(np.zeros(24000 * 50 // 1000, np.int16), PCM16)  # 50 ms
+    await raw.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(short).decode()})
+    err = await expect_error(raw, {"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty")
+    assert "100ms" in err["message"]
+    await raw.send({"type": "input_audio_buffer.clear"})
+    assert (await raw.recv())["type"] == "input_audio_buffer.cleared"
+    pcm, _, _ = utterance(QUESTION, PCM16, tail_ms=300)
+    await raw.stream(pcm, PCM16)
+    await raw.send({"type": "input_audio_buffer.commit"})
+    await raw.send({"type": "response.create"})  # sent at once: the response waits for the commit's transcript
+    events = await raw.until("response.done")
+    types = [e["type"] for e in events]
+    assert "input_audio_buffer.speech_started" not in types  # turn_detection null: no VAD
+    assert types[0] == "input_audio_buffer.committed", types
+    completed = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert wer(QUESTION, completed["transcript"]) <= 0.2
+    assert types.index("conversation.item.input_audio_transcription.completed") < \
+        types.index("response.output_item.added")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text and events[-1]["response"]["status"] in ("completed", "incomplete")
+    await raw.ws.close()
+
+
+async def test_bad_audio_input_errors_and_session_goes_on(server):
+    raw = await open_voice(server, {**VOICE_SESSION, "output_modalities": ["text"],
+                                    "audio": {"input": {"turn_detection": None}}})
+    await expect_error(raw, {"type": "input_audio_buffer.append", "audio": "not base64 !!"},
+                       "invalid_audio_format", "audio")
+    await expect_error(raw, {"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x01\x02\x03").decode()},
+                       "invalid_audio_format", "audio")  # pcm16 needs an even byte count
+    await expect_error(raw, {"type": "input_audio_buffer.append", "audio": 5}, "invalid_type", "audio")
+    await expect_error(raw, {"type": "input_audio_buffer.append"}, "missing_required_parameter", "audio")
+    await expect_error(raw, {"type": "session.update", "session": {"audio": {"input": {
+        "format": {"type": "audio/pcm", "rate": 16000}}}}}, "invalid_value", "session.audio.input.format.rate")
+    await expect_error(raw, {"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_audio"}]}},
+        "missing_required_parameter", "item.content[0].audio")
+    await expect_error(raw, {"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_audio", "audio": "%%%"}]}},
+        "invalid_audio_format", "item.content[0].audio")
+    # Nothing bad was kept: the buffer is empty, the conversation has no item.
+    await expect_error(raw, {"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty")
+    session = server.app.state.sessions[raw.session_id]
+    assert session.conversation.items == [] and session.voice().buf.duration_ms == 0
+    # The buffer is capped (15 minutes): µ-law 8 kHz silence in 15 MiB appends hits the cap with an error.
+    await raw.send({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}})
+    assert (await raw.recv())["type"] == "session.updated"
+    block = base64.b64encode(bytes([0xFF]) * (8000 * 600)).decode()  # 10 minutes of µ-law silence
+    await raw.send({"type": "input_audio_buffer.append", "audio": block})
+    await expect_error(raw, {"type": "input_audio_buffer.append", "audio": block}, "input_audio_buffer_full", "audio")
+    assert session.voice().buf.duration_ms == 600_000
+    await raw.send({"type": "input_audio_buffer.clear"})
+    assert (await raw.recv())["type"] == "input_audio_buffer.cleared"
+    assert session.voice().buf.duration_ms == 0
+    # ... and the session still works: an input_audio item (µ-law now) is transcribed and answered.
+    ulaw, _, _ = utterance(QUESTION, ULAW, tail_ms=200)
+    await raw.send({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_audio", "audio": base64.b64encode(ulaw).decode()}]}})
+    await raw.send({"type": "response.create"})
+    events = await raw.until("response.done")
+    completed = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert wer(QUESTION, completed["transcript"]) <= 0.2
+    assert events[-1]["response"]["status"] in ("completed", "incomplete")
+    await raw.ws.close()
+
+
+async def test_transcription_only_session(server):
+    raw = await open_voice(server, {"type": "realtime"}, query="?intent=transcription")
+    pcm, on, off = utterance(QUESTION, PCM16)
+    await raw.stream(pcm, PCM16)
+    events = await raw.until("conversation.item.input_audio_transcription.completed")
+    check_turn(events, on, off)
+    await expect_error(raw, {"type": "response.create"}, "invalid_request", "type")
+    assert not any(e["type"].startswith("response.") for e in raw.events)
+    await raw.ws.close()
+
+
+async def test_idle_timeout_triggers_a_turn(server):
+    turn = {"type": "server_vad", "idle_timeout_ms": 1500}
+    raw = await open_voice(server, {**VOICE_SESSION, "output_modalities": ["text"],
+                                    "audio": {"input": {"turn_detection": turn}}})
+    assert (raw.events[-1]["session"]["audio"]["input"]["turn_detection"]["idle_timeout_ms"]) == 1500
+    pcm, _, _ = utterance(QUESTION, PCM16)
+    await raw.stream(pcm, PCM16)
+    await raw.until("response.done")
+    silence = encode_audio(np.zeros(24000 * 2, np.int16), PCM16)  # 2 s of silence after the reply
+    await raw.stream(silence, PCM16)
+    events = await raw.until("response.done")
+    timeout = next(e for e in events if e["type"] == "input_audio_buffer.timeout_triggered")
+    assert timeout["audio_end_ms"] - timeout["audio_start_ms"] >= 1500
+    assert not any(e["type"] == "input_audio_buffer.speech_started" for e in events)
+    await raw.ws.close()
