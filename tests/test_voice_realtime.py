@@ -125,15 +125,16 @@ def check_plausible_speech(audio: np.ndarray, transcript: str, fmt: AudioFormat)
     assert np.abs(audio.astype(np.float32)).max() > 1000
 
 
-def check_turn(events: list[dict], on_ms: float, off_ms: float) -> dict:
+def check_turn(events: list[dict], on_ms: float, off_ms: float, offset_ms: float = 0.0) -> dict:
     """speech_started/stopped offsets, committed, transcription (WER ≤ 20 %) before the response; returns the
     committed item's completed-transcription event."""
     types = [e["type"] for e in events]
     started = next(e for e in events if e["type"] == "input_audio_buffer.speech_started")
     stopped = next(e for e in events if e["type"] == "input_audio_buffer.speech_stopped")
     committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
+    on_ms, off_ms = on_ms + offset_ms, off_ms + offset_ms  # the session's input timeline
     # audio_start_ms includes the 300 ms prefix padding; VAD windows are 32 ms.
-    assert abs(started["audio_start_ms"] - max(0.0, on_ms - 300)) <= 150, (started, on_ms)
+    assert abs(started["audio_start_ms"] - max(offset_ms, on_ms - 300)) <= 150, (started, on_ms)
     assert off_ms - 150 <= stopped["audio_end_ms"] <= off_ms + 350, (stopped, off_ms)
     assert started["item_id"] == stopped["item_id"] == committed["item_id"]
     assert types.index("input_audio_buffer.speech_started") < types.index("input_audio_buffer.speech_stopped") \

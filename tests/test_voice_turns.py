@@ -1,0 +1,119 @@
+"""Voice turns: truncation rolls the token history back to what was heard, barge-in cancels the active response,
+eight concurrent voice sessions share (and batch) the Whisper encoder. Real speech synthesized in the test."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.test_voice_realtime import PCM16, QUESTION, VOICE_SESSION, check_plausible_speech, check_turn, \
+    open_voice, response_audio, utterance, wer
+
+pytestmark = pytest.mark.slow
+
+
+def block_size(server) -> int:
+    return getattr(getattr(getattr(server.engine, "engine", None), "args", None), "block_size", 16)
+
+
+async def test_truncate_rolls_back_history(server):
+    raw = await open_voice(server, {**VOICE_SESSION, "max_output_tokens": 60,
+                                    "instructions": "You are a helpful assistant. Answer in three sentences."})
+    await raw.send({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me about Paris."}]}})
+    await raw.until("conversation.item.done")
+    await raw.send({"type": "response.create"})
+    events = await raw.until("response.done")
+    first = events[-1]["response"]
+    item_id = first["output"][0]["id"]
+    audio, transcript, _ = response_audio(events, PCM16)
+    session = server.app.state.sessions[raw.session_id]
+    marks = session.conversation.get(item_id).audio_marks[0]
+    assert len(marks) >= 2, (marks, transcript)  # spoken in several clauses
+    assert marks[-1][0] == len(audio) * 1000 // 24000 or abs(marks[-1][0] - len(audio) * 1000 / 24000) <= 2
+    # The listener heard the first clause and half of the second.
+    cut_ms = marks[0][0] + (marks[1][0] - marks[0][0]) // 2
+    await raw.send({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                    "audio_end_ms": cut_ms})
+    truncated = (await raw.until("conversation.item.truncated"))[-1]
+    assert truncated["audio_end_ms"] == cut_ms
+    await raw.send({"type": "conversation.item.retrieve", "item_id": item_id})
+    kept = (await raw.until("conversation.item.retrieved"))[-1]["item"]["content"][0]["transcript"]
+    first_clause = transcript[:marks[0][1]].strip()
+    assert kept.startswith(first_clause) and transcript.startswith(kept) and len(kept) < marks[1][1], \
+        (kept, transcript, marks)
+    unheard = transcript[len(kept):].strip()
+    # Next turn: the prompt holds what was heard and nothing after it, and still hits the prefix cache up to there.
+    await raw.send({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Thanks. Anything else?"}]}})
+    await raw.until("conversation.item.done")
+    await raw.send({"type": "response.create", "response": {"output_modalities": ["text"], "max_output_tokens": 8}})
+    second = (await raw.until("response.done"))[-1]["response"]
+    prompt = session.rendered.text
+    assert kept in prompt and unheard not in prompt and "Thanks. Anything else?" in prompt
+    bs = block_size(server)
+    assert second["usage"]["input_token_details"]["cached_tokens"] >= first["usage"]["input_tokens"] // bs * bs
+    await raw.ws.close()
+
+
+async def test_barge_in_cancels_active_response(server):
+    raw = await open_voice(server, {**VOICE_SESSION, "max_output_tokens": 150,
+                                    "instructions": "You are a storyteller. Tell long, detailed stories."})
+    story, _, _ = utterance("tell me a long story about a dragon")
+    await raw.stream(story, PCM16)
+    before = await raw.until("response.output_audio.delta")
+    first_id = next(e for e in before if e["type"] == "response.created")["response"]["id"]
+    # The user talks over the reply (in real time, like a microphone).
+    pcm, on, off = utterance(QUESTION, PCM16)
+    talk = asyncio.create_task(raw.stream(pcm, PCM16, pace=1.0))
+    events = await raw.until("response.done")
+    types = [e["type"] for e in events]
+    done = events[-1]["response"]
+    assert done["id"] == first_id and done["status"] == "cancelled", done
+    assert done["status_details"]["reason"] == "turn_detected"
+    assert types.index("input_audio_buffer.speech_started") < len(types) - 1
+    # The client stops playback and truncates the reply to what it played.
+    played = sum(len(e["delta"]) * 3 // 4 for e in before + events if e["type"] == "response.output_audio.delta")
+    played_ms = min(played * 1000 // 48000, 400)
+    item_id = done["output"][0]["id"]
+    await raw.send({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                    "audio_end_ms": played_ms})
+    await talk
+    events2 = await raw.until("response.done")
+    truncated = next(e for e in events2 if e["type"] == "conversation.item.truncated")
+    assert truncated["audio_end_ms"] == played_ms
+    check_turn(events + events2, on, off, offset_ms=len(story) / 48)
+    assert events2[-1]["response"]["status"] in ("completed", "incomplete")
+    audio, transcript, _ = response_audio(events2, PCM16)
+    check_plausible_speech(audio, transcript, PCM16)
+    session = server.app.state.sessions[raw.session_id]
+    full = "".join(e["delta"] for e in before + events if e["type"] == "response.output_audio_transcript.delta")
+    heard = session.conversation.get(item_id).content[0]["transcript"]
+    assert len(heard) < len(full) and full.startswith(heard)
+    await raw.ws.close()
+
+
+async def test_eight_concurrent_voice_sessions_batch_the_encoder(server):
+    raws = [await open_voice(server) for _ in range(8)]
+    stage = server.app.state.audio.start()
+    before = dict(stage.transcriber.stats.batch_sizes)
+    clips = [utterance(QUESTION, PCM16, engine="piper"), utterance(QUESTION, PCM16, engine="espeak")]
+    # Everyone speaks at once, in real time: turns end together and their audio is encoded in shared batches.
+    await asyncio.gather(*(raw.stream(clips[i % 2][0], PCM16, pace=1.0) for i, raw in enumerate(raws)))
+    results = await asyncio.gather(*(raw.until("response.done") for raw in raws))
+    for i, events in enumerate(results):
+        _, on, off = clips[i % 2]
+        completed = check_turn(events, on, off)
+        assert wer(QUESTION, completed["transcript"]) <= 0.2
+        assert events[-1]["response"]["status"] in ("completed", "incomplete")
+        audio, transcript, _ = response_audio(events, PCM16)
+        check_plausible_speech(audio, transcript, PCM16)
+    after = stage.transcriber.stats.batch_sizes
+    grew = {size: after[size] - before.get(size, 0) for size in after if after[size] > before.get(size, 0)}
+    assert max(grew) > 1, grew  # the encoder ran batches of several sessions' audio
+    for raw in raws:
+        await raw.ws.close()
+    # Nothing leaks: no transcription in flight, no KV block held once the sessions are gone.
+    stats = await server.wait_idle()
+    assert stats["kv_blocks_used"] == 0 and stage.stats()["transcriptions_inflight"] == 0
+    assert not server.app.state.sessions
