@@ -33,6 +33,8 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     ap.add_argument("--send-queue-max", type=int, default=None,
                     help="outgoing events buffered per connection before a stalled client is disconnected")
+    ap.add_argument("--no-audio", action="store_true",
+                    help="text only: no VAD/Whisper/TTS (audio events answer audio_unavailable)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return ap
 
@@ -63,7 +65,8 @@ def serve(argv: list[str]) -> int:
     origins = [o.strip().rstrip("/") for o in ns.allowed_origins.split(",") if o.strip()] if ns.allowed_origins \
         else None
     settings = Settings(model=ns.model, engine_args=engine_args(ns), api_key=ns.api_key or None,
-                        allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{ns.port}")
+                        allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{ns.port}",
+                        audio=not ns.no_audio)
     uvicorn.run(create_app(settings), host=ns.host, port=ns.port, ws_max_size=WS_MAX_SIZE,
                 log_level=ns.log_level, timeout_graceful_shutdown=5)
     return 0

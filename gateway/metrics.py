@@ -69,6 +69,10 @@ class AudioCollector:
             sizes.add_metric([str(size)], n)
         yield sizes
         yield GaugeMetricFamily("rtserve_whisper_rtf", "Whisper compute seconds per audio second.", value=tr["rtf"])
+        spec = stats.get("speculative_transcriptions") or {}
+        for key in ("started", "used"):
+            yield CounterMetricFamily(f"rtserve_speculative_transcriptions_{key}",
+                                      f"Turns transcribed during a pause ({key}).", value=spec.get(key, 0))
 
 
 class Metrics:

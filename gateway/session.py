@@ -453,8 +453,7 @@ class RealtimeSession:
         output = None
         try:
             if self._voice is not None and resp.items is None:  # the committed speech is this turn's prompt
-                await self._voice.barrier()
-                await self._voice.wait_transcripts()
+                await self._voice.wait_transcripts()  # (commits sent before response.create already ran: see _reader)
             prompt = await self._build_prompt(resp)
             room = self.engine.max_model_len - len(prompt.ids)
             wanted = resp.params.max_output_tokens

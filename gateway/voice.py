@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -30,16 +31,25 @@ from gateway.conversation import Item
 
 log = logging.getLogger("rtserve.voice")
 
+SPECULATE_AFTER_MS = 200  # trailing silence after which the turn's audio is transcribed ahead of speech_stopped
 MAX_PENDING_OPS = 256  # input events queued per session before appends are refused (client outpaces the VAD)
 AUDIO_DELTA_MS = 200  # one response.output_audio.delta carries at most this much audio
 
 
 @dataclass(slots=True)
 class AudioStage:
-    """Shared audio workers. Created cheaply; `start()` spawns them (Whisper loads in its own thread)."""
+    """Shared audio workers. Created cheaply; `start()` spawns them (Whisper loads in its own thread).
+
+    Speech synthesis goes through one priority queue: a response's first clause is spoken before anyone's later
+    clauses, so with many sessions replying at once each gets its first audio early (later clauses have the time the
+    earlier ones take to play)."""
     transcriber: Transcriber | None = None
     tts: TTSWorker | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _speech: asyncio.PriorityQueue | None = field(default=None, repr=False)
+    _dispatcher: asyncio.Task | None = field(default=None, repr=False)
+    _seq: itertools.count = field(default_factory=itertools.count, repr=False)
+    speculations: dict = field(default_factory=lambda: {"started": 0, "used": 0})
 
     def start(self) -> "AudioStage":
         with self._lock:
@@ -55,7 +65,33 @@ class AudioStage:
         with contextlib.suppress(Exception):
             await self.tts.warmup()
 
+    async def speak(self, priority: int, text: str, fmt, speed: float) -> bytes:
+        """Synthesize `text` in `fmt`; lower `priority` first (the clause's index in its response)."""
+        if self._dispatcher is None or self._dispatcher.done():
+            self._speech = asyncio.PriorityQueue()
+            self._dispatcher = asyncio.create_task(self._dispatch(), name="rtserve-tts-dispatch")
+        done = asyncio.get_running_loop().create_future()
+        self._speech.put_nowait((priority, next(self._seq), text, fmt, speed, done))
+        return await done
+
+    async def _dispatch(self) -> None:
+        while True:
+            _, _, text, fmt, speed, done = await self._speech.get()
+            if done.done():  # its response was cancelled while it waited
+                continue
+            try:
+                raw = await self.tts.speak_format(text, fmt, speed)
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting response
+                if not done.done():
+                    done.set_exception(exc)
+                continue
+            if not done.done():
+                done.set_result(raw)
+
     def close(self) -> None:
+        if self._dispatcher is not None:
+            with contextlib.suppress(RuntimeError):  # its loop may be closed already
+                self._dispatcher.get_loop().call_soon_threadsafe(self._dispatcher.cancel)
         if self.transcriber is not None:
             self.transcriber.close()
         if self.tts is not None:
@@ -64,7 +100,8 @@ class AudioStage:
     def stats(self) -> dict:
         tr = self.transcriber
         return {"transcriber": tr.stats.snapshot() if tr is not None else None,
-                "transcriptions_inflight": tr.inflight if tr is not None else 0}
+                "transcriptions_inflight": tr.inflight if tr is not None else 0,
+                "speculative_transcriptions": dict(self.speculations)}
 
 
 def vad_from_config(turn: dict | None, position_ms: int) -> StreamingVAD | None:
@@ -102,6 +139,7 @@ class VoiceInput:
         self._worker: asyncio.Task | None = None
         self._running = False
         self._nested: list = []
+        self._spec: tuple[tuple[int, int], asyncio.Task] | None = None  # speculative transcript of a pausing turn
 
     @property
     def busy(self) -> bool:
@@ -121,17 +159,6 @@ class VoiceInput:
         if self._worker is None:
             self._worker = asyncio.create_task(self._run(), name=f"{self.s.id}-voice")
         self._ops.put_nowait((op, event_id))
-
-    async def barrier(self) -> None:
-        """Wait until every input op queued so far has run (a response must see the commits sent before it)."""
-        if self._worker is None:
-            return
-        done = asyncio.get_running_loop().create_future()
-
-        async def mark():
-            done.set_result(None)
-        self._ops.put_nowait((mark, None))
-        await done
 
     async def wait_transcripts(self) -> None:
         """The transcript is the user turn: a response waits for the transcriptions of committed audio."""
@@ -160,6 +187,7 @@ class VoiceInput:
                                       event_id))
 
     def close(self) -> None:
+        self._drop_speculation()
         if self._worker is not None:
             self._worker.cancel()
         for task in self.transcripts.values():
@@ -188,6 +216,10 @@ class VoiceInput:
                 self._speech_stopped(value, seg)
             elif kind == "timeout":
                 self._timeout(value, seg)
+            elif kind == "speculate":
+                self._speculate(value, seg)
+            elif kind == "resumed":
+                self._drop_speculation()
 
     def _ingest(self, audio: str, vad: StreamingVAD | None, turn: dict | None) -> list:
         """Worker thread: decode + resample + VAD; VAD-ended segments leave the buffer here."""
@@ -200,7 +232,9 @@ class VoiceInput:
                 out.append(("speech_started", ev, None))
             else:
                 out.append(("speech_stopped", ev, self.buf.commit_range(ev.audio_start_ms, ev.audio_end_ms)))
-        if not vad.speaking:
+        if vad.speaking:
+            out.extend(self._speculation(vad))
+        else:
             idle = turn.get("idle_timeout_ms") if turn else None
             anchor = self.idle_anchor_ms
             if idle and anchor is not None and vad.position_ms >= anchor + idle:
@@ -209,6 +243,46 @@ class VoiceInput:
                 out.append(("timeout", (anchor, vad.position_ms), seg))
             self.buf.discard_before(vad.position_ms - vad.prefix_padding_ms)
         return out
+
+    def _speculation(self, vad: StreamingVAD) -> list:
+        """Worker thread: a pause of SPECULATE_AFTER_MS inside a turn → transcribe the turn so far now; if the pause
+        becomes the end of the turn (speech_stopped on the same segment), that transcript is ready sooner.
+        Reads the VAD's trailing-silence state (`_speech_start`, `_silence_start`: samples on the input timeline)."""
+        silence_ms = vad.silence_duration_ms
+        start, quiet = vad._speech_start, vad._silence_start
+        if quiet is None:
+            return [("resumed", None, None)] if self._spec is not None else []
+        if silence_ms < SPECULATE_AFTER_MS + 100 or (vad._pos - quiet) * 1000 < SPECULATE_AFTER_MS * 16000:
+            return []
+        key = (vad._ms(start), vad._ms(quiet))
+        if self._spec is not None and self._spec[0] == key:
+            return []
+        held = self.buf.audio()
+        lo = max(0, int(key[0] * 16) - int(self.buf.start_ms * 16))
+        hi = max(lo, int(key[1] * 16) - int(self.buf.start_ms * 16))
+        return [("speculate", key, held[lo:hi].copy())]
+
+    def _speculate(self, key: tuple[int, int], audio: np.ndarray) -> None:
+        self._drop_speculation()
+
+        async def run() -> str:
+            return await self.stage.transcriber.transcribe_text(audio)
+        self._spec = (key, asyncio.create_task(run(), name=f"{self.s.id}-speculate"))
+        self.stage.speculations["started"] += 1
+
+    def _drop_speculation(self) -> None:
+        if self._spec is not None:
+            self._spec[1].cancel()
+            self._spec = None
+
+    def _take_speculation(self, key: tuple[int, int]) -> asyncio.Task | None:
+        spec, self._spec = self._spec, None
+        if spec is not None and spec[0] == key:
+            self.stage.speculations["used"] += 1
+            return spec[1]
+        if spec is not None:
+            spec[1].cancel()
+        return None
 
     async def commit(self) -> None:
         seg = await asyncio.to_thread(self.buf.commit)
@@ -249,7 +323,7 @@ class VoiceInput:
         self.last_speech_stopped = asyncio.get_running_loop().time()
         self.s.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ev.audio_end_ms,
                      "item_id": item_id})
-        self._commit(seg.audio_16k, item_id)
+        self._commit(seg.audio_16k, item_id, self._take_speculation((ev.audio_start_ms, ev.audio_end_ms)))
         self._auto_respond()
 
     def _timeout(self, span, seg) -> None:
@@ -270,29 +344,38 @@ class VoiceInput:
             self.idle_anchor_ms = self.buf.timeline_ms + audio_ms
 
     # ------------------------------------------------------------------------------------- commit/transcribe
-    def _commit(self, audio_16k: np.ndarray, item_id: str | None) -> None:
+    def _commit(self, audio_16k: np.ndarray, item_id: str | None, early: asyncio.Task | None = None) -> None:
         item = Item(item_id or p.new_id("item"), "message", role="user",
                     content=[{"type": "input_audio", "transcript": None}])
         previous = self.s.conversation.items[-1].id if self.s.conversation.items else None
         self.s.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item.id})
         self.s.add_item(item)
-        self._start_transcription(item, 0, audio_16k)
+        self._start_transcription(item, 0, audio_16k, early)
 
-    def _start_transcription(self, item: Item, index: int, audio_16k: np.ndarray) -> None:
-        task = asyncio.create_task(self._transcribe(item, index, audio_16k), name=f"{item.id}-transcribe")
+    def _start_transcription(self, item: Item, index: int, audio_16k: np.ndarray,
+                             early: asyncio.Task | None = None) -> None:
+        task = asyncio.create_task(self._transcribe(item, index, audio_16k, early), name=f"{item.id}-transcribe")
         self.transcripts[item.id] = task
         task.add_done_callback(lambda t, key=item.id: self.transcripts.pop(key, None)
                                if self.transcripts.get(key) is t else None)
 
-    async def _transcribe(self, item: Item, index: int, audio_16k: np.ndarray) -> None:
+    async def _transcribe(self, item: Item, index: int, audio_16k: np.ndarray,
+                          early: asyncio.Task | None = None) -> None:
         part = item.content[index]
         ids = {"item_id": item.id, "content_index": index}
         try:
-            stream = self.stage.transcriber.transcribe(audio_16k)
-            async with contextlib.aclosing(stream):
-                async for delta in stream:
-                    self.s.send({"type": "conversation.item.input_audio_transcription.delta", **ids, "delta": delta})
-            part["transcript"] = stream.text or ""
+            if early is not None:  # transcribed during the pause that ended the turn: same audio, same text
+                text = await early
+                if text:
+                    self.s.send({"type": "conversation.item.input_audio_transcription.delta", **ids, "delta": text})
+            else:
+                stream = self.stage.transcriber.transcribe(audio_16k)
+                async with contextlib.aclosing(stream):
+                    async for delta in stream:
+                        self.s.send({"type": "conversation.item.input_audio_transcription.delta", **ids,
+                                     "delta": delta})
+                text = stream.text or ""
+            part["transcript"] = text
             self.s.send({"type": "conversation.item.input_audio_transcription.completed", **ids,
                          "transcript": part["transcript"],
                          "usage": {"type": "duration", "seconds": round(len(audio_16k) / 16000, 3)}})
@@ -320,7 +403,7 @@ class AudioOutput:
     """
 
     def __init__(self, session, resp, stage: AudioStage) -> None:
-        self.s, self.resp, self.tts = session, resp, stage.start().tts
+        self.s, self.resp, self.stage = session, resp, stage.start()
         aout = session.config["audio"]["output"]
         self.fmt = parse_audio_format(aout["format"], "audio.output.format")
         self.speed = float(aout.get("speed") or 1.0)
@@ -369,10 +452,12 @@ class AudioOutput:
         self._task.cancel()
 
     async def _speak(self) -> None:
+        index = 0
         while (job := await self._pieces.get()) is not None:
             piece, chars = job
             try:
-                raw = await self.tts.speak_format(piece, self.fmt, self.speed)
+                raw = await self.stage.speak(index, piece, self.fmt, self.speed)
+                index += 1
             except TTSError as exc:
                 log.warning("response %s: TTS failed for %r: %s", self.resp.id, piece[:40], exc)
                 continue

@@ -1,0 +1,203 @@
+"""Voice benchmark: concurrent spoken turns over the Realtime WebSocket, end of speech → first transcript/text/audio.
+
+    rtserve bench voice --sessions 1,8
+
+Starts `rtserve serve` as a subprocess (or measures `--url` as is). Each session streams real speech (piper, a
+different question per session) in real time in `--chunk-ms` appends with server VAD (silence window 500 ms), and keeps
+streaming silence like an open microphone until the reply is done; `--turns` turns per session, all sessions talking at
+once. Measured by the client from the end of speech (the moment the last voiced audio was sent): speech_stopped, the
+transcription's `completed`, the first `response.output_audio_transcript.delta` (first text) and the first
+`response.output_audio.delta` (first audio), p50/p95. Then the Whisper encoder's real-time factor in this process, one
+batch of 8 clips vs the same clips one by one, and the server's encoder batch sizes from /metrics.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+import orjson
+import websockets
+
+from bench.realtime import free_port, pct, start_server
+
+QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?", "What color is the sky?",
+             "Name a large animal that lives in the ocean.", "What is the boiling point of water?",
+             "Who wrote Romeo and Juliet?", "What is two plus two?", "Which planet is closest to the sun?"]
+RATE = 24000
+EVENTS = {"stopped": "input_audio_buffer.speech_stopped",
+          "transcript": "conversation.item.input_audio_transcription.completed",
+          "text": "response.output_audio_transcript.delta", "audio": "response.output_audio.delta"}
+
+
+@dataclass
+class Clip:
+    pcm: bytes  # pcm16 24 kHz, with 300 ms of silence before the voice
+    speech_end_ms: float
+
+
+def make_clips() -> list[Clip]:
+    from audio.codecs import float_to_int16
+    from audio.speech import piper_speech, speech_bounds_ms
+
+    clips = []
+    for q in QUESTIONS:
+        x = piper_speech(q, rate=RATE)
+        _, off = speech_bounds_ms(x, RATE)
+        x = np.concatenate([np.zeros(RATE * 3 // 10, np.float32), x])
+        clips.append(Clip(float_to_int16(x).tobytes(), 300 + off))
+    return clips
+
+
+async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_ms: int, max_tokens: int) -> list:
+    out = []
+    silence = base64.b64encode(bytes(RATE * 2 * chunk_ms // 1000)).decode()
+    async with websockets.connect(url, max_size=None) as ws:
+        async def recv() -> dict:
+            ev = orjson.loads(await ws.recv())
+            if ev["type"] == "error":
+                raise RuntimeError(ev["error"])
+            return ev
+
+        while (await recv())["type"] != "session.created":
+            pass
+        await ws.send(orjson.dumps({"type": "session.update", "session": {
+            "type": "realtime", "output_modalities": ["audio"], "max_output_tokens": max_tokens,
+            "instructions": "You are a concise voice assistant. Answer in one short sentence."}}).decode())
+        while (await recv())["type"] != "session.updated":
+            pass
+        for t in range(turns):
+            clip = clips[(sid + t) % len(clips)]
+            marks: dict[str, float] = {}
+            done = asyncio.Event()
+
+            async def listen():
+                while True:
+                    ev = await recv()
+                    now = time.perf_counter()
+                    for key, etype in EVENTS.items():
+                        if ev["type"] == etype and key not in marks:
+                            marks[key] = now
+                    if ev["type"] == "response.done":
+                        done.set()
+                        return
+
+            listener = asyncio.create_task(listen())
+            step = RATE * 2 * chunk_ms // 1000
+            t0 = time.perf_counter()
+            sent_ms = 0.0
+            for i in range(0, len(clip.pcm), step):  # the question, in real time
+                await ws.send(orjson.dumps({"type": "input_audio_buffer.append",
+                                            "audio": base64.b64encode(clip.pcm[i:i + step]).decode()}).decode())
+                sent_ms += chunk_ms
+                await asyncio.sleep(max(0.0, t0 + sent_ms / 1000 - time.perf_counter()))
+            end_of_speech = t0 + clip.speech_end_ms / 1000
+            while not done.is_set():  # the microphone stays open: silence until the reply is done
+                await ws.send(orjson.dumps({"type": "input_audio_buffer.append", "audio": silence}).decode())
+                sent_ms += chunk_ms
+                await asyncio.sleep(max(0.0, t0 + sent_ms / 1000 - time.perf_counter()))
+                if sent_ms > 120_000:
+                    raise RuntimeError("no reply within 2 minutes of audio")
+            await listener
+            out.append({k: v - end_of_speech for k, v in marks.items()})
+    return out
+
+
+def encoder_rtf(n: int = 8) -> tuple[float, float]:
+    """Whisper encoder seconds per audio second: n clips in one batch vs one at a time (best of 3)."""
+    from audio.speech import piper_speech
+    from audio.whisper import get_whisper
+
+    model = get_whisper()
+    audios = [piper_speech(QUESTIONS[i % len(QUESTIONS)], rate=16000) for i in range(n)]
+    seconds = sum(len(a) for a in audios) / 16000
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    model.encode(model.features(audios[:1]))  # warm-up
+    batched = best(lambda: model.encode(model.features(audios)))
+    single = best(lambda: [model.encode(model.features([a])) for a in audios])
+    return batched / seconds, single / seconds
+
+
+def server_batches(url: str) -> str:
+    base = url.replace("ws://", "http://").replace("wss://", "https://").split("/v1/")[0]
+    try:
+        text = httpx.get(base + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return "n/a"
+    sizes = re.findall(r'rtserve_whisper_batch_size_count\{size="(\d+)"\} ([0-9.]+)', text)
+    spec = dict(re.findall(r'rtserve_speculative_transcriptions_(started|used)_total ([0-9.]+)', text))
+    return (", ".join(f"{s}×{int(float(n))}" for s, n in sizes) or "n/a") + \
+        f"; speculative transcriptions used/started: {spec.get('used', '?')}/{spec.get('started', '?')}"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="rtserve bench voice", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", default="1,8", help="comma-separated concurrent session counts")
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--chunk-ms", type=int, default=40, help="append size (20-100 ms)")
+    ap.add_argument("--max-output-tokens", type=int, default=24)
+    ap.add_argument("--url", default=None, help="measure a running server (ws://host:port/v1/realtime) as it is")
+    ap.add_argument("--server-args", default="", help="extra `rtserve serve` flags for the started server")
+    ap.add_argument("--no-rtf", action="store_true", help="skip the in-process encoder RTF measurement")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    counts = [int(x) for x in args.sessions.split(",") if x]
+    print(f"rtserve bench voice: sessions {counts}, {args.turns} turns, {args.chunk_ms} ms appends in real time, "
+          f"server VAD (500 ms silence), {args.max_output_tokens} output tokens, {os.cpu_count()} CPUs", flush=True)
+    clips = make_clips()
+    proc, url = None, args.url
+    if url is None:
+        port = free_port()
+        proc = start_server(port, True, args.server_args.split())
+        url = f"ws://127.0.0.1:{port}/v1/realtime"
+    try:
+        asyncio.run(run_session(url, 0, clips, 1, args.chunk_ms, args.max_output_tokens))  # warm-up
+        print("| sessions | turns | speech_stopped p50 | transcript p50 / p95 | first text p50 / p95 | "
+              "first audio p50 / p95 |", flush=True)
+        for n in counts:
+            async def load():
+                return await asyncio.gather(*(run_session(url, i, clips, args.turns, args.chunk_ms,
+                                                          args.max_output_tokens) for i in range(n)))
+            turns = [t for r in asyncio.run(load()) for t in r]
+
+            def col(key: str, both: bool = True) -> str:
+                vals = [t[key] for t in turns if key in t]
+                p50 = f"{pct(vals, 50) * 1000:.0f} ms"
+                return f"{p50} / {pct(vals, 95) * 1000:.0f} ms" if both else p50
+            print(f"| {n} | {len(turns)} | {col('stopped', False)} | {col('transcript')} | {col('text')} | "
+                  f"{col('audio')} |", flush=True)
+        print(f"server Whisper batches (size×count): {server_batches(url)}", flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except Exception:  # noqa: BLE001
+                proc.kill()
+    if not args.no_rtf:
+        batched, single = encoder_rtf()
+        print(f"Whisper tiny.en encoder RTF, 8 clips: batched {batched:.4f}, one by one {single:.4f} "
+              f"({single / batched:.1f}x)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
