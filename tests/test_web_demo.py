@@ -7,6 +7,7 @@ turn. Screenshots go to tests/_output/web_demo/.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,6 +30,8 @@ RTSERVE = Path(sys.executable).parent / "rtserve"
 SPOKEN = "Tell me a long story about a dragon."
 SPOKEN_KEYWORDS = ("story", "dragon")
 TYPED = "What is the capital of France?"
+MAX_TOKENS = 40     # typed turns: short replies
+STORY_TOKENS = 120  # the story we talk over: long enough to still be playing
 STORYTELLER = "You are a storyteller. Always answer with a long and detailed story of at least ten sentences."
 
 pytestmark = pytest.mark.slow  # every wait below is bounded; the whole file takes about 1-3 minutes
@@ -76,19 +79,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def gateway(out_dir: Path):
+@contextlib.contextmanager
+def run_gateway(out_dir: Path, *args: str, log_name: str = "gateway.log"):
     """The real gateway (`rtserve serve`) on a free port of 127.0.0.1 (a secure context, so getUserMedia works)."""
     port = _free_port()
-    log = open(out_dir / "gateway.log", "wb")
-    proc = subprocess.Popen([str(RTSERVE), "serve", "--host", "127.0.0.1", "--port", str(port)],
+    log = open(out_dir / log_name, "wb")
+    proc = subprocess.Popen([str(RTSERVE), "serve", "--host", "127.0.0.1", "--port", str(port), *args],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"rtserve exited with {proc.returncode}; see {out_dir / 'gateway.log'}")
+                raise RuntimeError(f"rtserve exited with {proc.returncode}; see {out_dir / log_name}")
             try:
                 with urllib.request.urlopen(base + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -96,7 +99,7 @@ def gateway(out_dir: Path):
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rtserve did not become healthy; see {out_dir / 'gateway.log'}")
+                raise RuntimeError(f"rtserve did not become healthy; see {out_dir / log_name}")
             time.sleep(0.5)
         yield base
     finally:
@@ -107,6 +110,12 @@ def gateway(out_dir: Path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(out_dir: Path):
+    with run_gateway(out_dir) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +171,23 @@ class Page:
         self.wait("window.rtserveDemo.state.connected", 30, "the session to start")
         assert self.tid("status").get_attribute("data-state") == "connected"
         assert self.tid("status").inner_text().strip() == "Connected"
+        assert self.state()["subprotocol"] == "realtime"  # offered by the page, echoed by the server
+
+    def toggle_settings(self):
+        self.page.locator("#settings summary").click()
+
+    def settings(self, *, voice=None, vad=None, instructions=None, max_tokens=None):
+        """Fill the Settings panel like a user (before connecting; they go out in session.update)."""
+        self.toggle_settings()
+        if voice is not None:
+            self.tid("voice").set_checked(voice)
+        if vad is not None:
+            self.tid("vad-toggle").set_checked(vad)
+        if instructions is not None:
+            self.tid("instructions").fill(instructions)
+        if max_tokens is not None:  # keeps the tiny model from rambling on for minutes
+            self.tid("max-tokens").fill(str(max_tokens))
+        self.toggle_settings()
 
     def typed_turn(self, text: str) -> str:
         before = self.state()["turns"]
@@ -196,9 +222,7 @@ def test_page_controls_and_typed_turn(gateway, browser, out_dir):
         pg.page.evaluate("() => { try { window.rtserveDemo.state.connected = true } catch (e) {} }")
         assert pg.state()["connected"] is False
 
-        pg.page.locator("#settings summary").click()
-        pg.tid("voice").uncheck()  # text-only replies
-        pg.page.locator("#settings summary").click()
+        pg.settings(voice=False, max_tokens=MAX_TOKENS)  # text-only replies
         pg.connect()
         reply = pg.typed_turn(TYPED)
         s = pg.state()
@@ -236,9 +260,7 @@ def test_voice_turn_barge_in_and_typed_turn(gateway, browser, speech_wav, out_di
     pg = Page(browser, gateway, viewport={"width": 1000, "height": 900})
     try:
         # A long reply, so that there is still audio playing when we talk over it.
-        pg.page.locator("#settings summary").click()
-        pg.tid("instructions").fill(STORYTELLER)
-        pg.page.locator("#settings summary").click()
+        pg.settings(instructions=STORYTELLER, max_tokens=STORY_TOKENS)
         pg.connect()
         assert pg.state()["error"] is None
         pg.tid("mic").click()  # server VAD is on by default; the fake mic starts playing the wav now
@@ -246,6 +268,7 @@ def test_voice_turn_barge_in_and_typed_turn(gateway, browser, speech_wav, out_di
         pg.wait("window.rtserveDemo.state.micOn", 10, "the microphone to start")
 
         pg.wait("window.rtserveDemo.state.userTranscript.trim().length > 0", 90, "the user's transcript")
+        pg.wait("window.rtserveDemo.state.userTranscriptFinal", 60, "the complete transcript")
         pg.wait("window.rtserveDemo.state.assistantText.trim().length > 0", 90, "the reply text")
         pg.wait("window.rtserveDemo.state.playbackStarted", 90, "reply audio playback")
         s = pg.state()
@@ -282,10 +305,72 @@ def test_voice_turn_barge_in_and_typed_turn(gateway, browser, speech_wav, out_di
         print(f"typed reply: {reply!r}")
         s = pg.state()
         assert s["error"] is None, s["error"]
-        pg.wait("window.rtserveDemo.state.playbackStarted", 30, "the typed turn's spoken reply to play")
-        pg.wait("document.querySelector('[data-testid=playback]').dataset.state === 'idle'", 60,
-                "the typed turn's reply audio to finish")
+        pg.wait("window.rtserveDemo.state.playedMs > 500", 30, "the typed turn's spoken reply to play")
         pg.page.screenshot(path=str(out_dir / "web_demo.png"), full_page=False)
+        assert pg.errors == [], pg.errors
+    finally:
+        pg.close()
+
+
+def test_push_to_talk(gateway, browser, speech_wav, out_dir):
+    """Server VAD off (turn_detection null): tap the mic to talk, tap again to send; the page commits the buffer and
+    asks for the reply itself."""
+    wav, wav_s = speech_wav
+    pg = Page(browser, gateway, viewport={"width": 1000, "height": 900})
+    try:
+        pg.settings(vad=False, max_tokens=MAX_TOKENS)
+        pg.connect()
+        assert "tap to talk" in pg.tid("mic").inner_text()
+        pg.tid("mic").click()  # tap: starts the mic (the fake mic plays the wav from its start) and the turn
+        pg.wait("window.rtserveDemo.state.talking", 10, "push-to-talk to start")
+        # Talk for the whole file (words and trailing silence): wait until the page has streamed all of it.
+        pg.wait(f"window.rtserveDemo.state.audioSentMs >= {int(wav_s * 1000) - 100}", 30, "the mic audio to be sent")
+        s = pg.state()
+        assert s["talking"] and not s["speaking"], s  # no server VAD events: the page decides the turn
+        pg.tid("mic").click()  # tap again: commit + response.create
+        pg.wait("!window.rtserveDemo.state.talking", 5, "push-to-talk to stop")
+        pg.wait("window.rtserveDemo.state.userTranscript.trim().length > 0", 90, "the user's transcript")
+        pg.wait("window.rtserveDemo.state.userTranscriptFinal", 60, "the complete transcript")
+        heard = pg.state()["userTranscript"].lower()
+        assert any(k in heard for k in SPOKEN_KEYWORDS), f"transcript {heard!r} has none of {SPOKEN_KEYWORDS}"
+        pg.wait("window.rtserveDemo.state.assistantText.trim().length > 0", 90, "the reply text")
+        pg.wait("window.rtserveDemo.state.playbackStarted", 90, "reply audio playback")
+        s = pg.state()
+        assert s["error"] is None, s["error"]
+        assert s["lastLatencyMs"] is not None and s["lastLatencyMs"] > 0
+        pg.page.screenshot(path=str(out_dir / "push_to_talk.png"), full_page=True)
+        assert pg.errors == [], pg.errors
+    finally:
+        pg.close()
+
+
+def test_api_key_and_connection_errors(browser, out_dir):
+    """With a server API key: connecting without it fails with a clear message; with the key entered in Settings the
+    page offers `openai-insecure-api-key.KEY` and connects. A server that goes away is reported as a disconnect."""
+    key = "sk-web-demo-test"
+    with run_gateway(out_dir, "--api-key", key, log_name="gateway_api_key.log") as base:
+        pg = Page(browser, base, viewport={"width": 1000, "height": 900})
+        pg.tid("connect").click()
+        pg.wait("window.rtserveDemo.state.error !== null", 15, "the refused connection to be reported")
+        s = pg.state()
+        assert not s["connected"] and "API key" in s["error"], s
+        assert pg.tid("status").get_attribute("data-state") == "error"
+        assert pg.tid("error").is_visible()
+
+        pg.toggle_settings()
+        pg.tid("api-key").fill(key)
+        pg.toggle_settings()
+        pg.settings(max_tokens=MAX_TOKENS)
+        pg.connect()
+        assert pg.state()["error"] is None
+        assert not pg.tid("error").is_visible()
+        assert pg.typed_turn(TYPED)
+    # The gateway has stopped: the open page must say so.
+    try:
+        pg.wait("window.rtserveDemo.state.connection === 'error'", 30, "the disconnect to be reported")
+        s = pg.state()
+        assert not s["connected"] and s["error"] and "Disconnected" in s["error"], s
+        assert pg.tid("status").inner_text().strip() == "Disconnected"
         assert pg.errors == [], pg.errors
     finally:
         pg.close()

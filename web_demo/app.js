@@ -19,7 +19,7 @@ const ui = {
   vad: $('vad-indicator'), playback: $('playback'), latency: $('latency'),
   error: $('error'), errorText: $('error-text'), errorClose: $('error-close'),
   url: $('server-url'), key: $('api-key'), instructions: $('instructions'),
-  voice: $('voice'), vadToggle: $('vad'), silence: $('silence'),
+  voice: $('voice'), vadToggle: $('vad'), silence: $('silence'), maxTokens: $('max-tokens'),
 };
 
 // ---------------------------------------------------------------------------------------------------------------- state
@@ -27,6 +27,7 @@ const state = {
   connected: false,        // socket open and session.created received
   connection: 'disconnected', // disconnected | connecting | connected | error
   sessionId: null,
+  subprotocol: null,       // what the server echoed ("realtime")
   micOn: false,            // capturing from the microphone
   talking: false,          // push-to-talk: currently sending audio
   speaking: false,         // server VAD says the user is speaking
@@ -38,10 +39,12 @@ const state = {
   lastLatencyMs: null,     // end of speech (or Send) -> first reply output, ms
   lastLatency: { textMs: null, audioMs: null }, // -> first reply text, -> first reply audio (actually playing)
   userTranscript: '',
+  userTranscriptFinal: false, // the current turn's transcript is complete (typed, or transcription .completed)
   assistantText: '',
   turns: 0,
   truncations: 0,          // conversation.item.truncate events sent (barge-ins)
   truncationsAcked: 0,     // conversation.item.truncated events received
+  audioSentMs: 0,          // mic audio appended to the server's input buffer in this session
   eventsReceived: 0,
   lastEvent: null,
   error: null,             // last error message shown, or null
@@ -67,13 +70,14 @@ function loadSettings() {
   ui.voice.checked = flag('voice', saved.voice ?? true);
   ui.vadToggle.checked = flag('vad', saved.vad ?? true);
   ui.silence.value = params.get('silence') || saved.silence || 500;
+  ui.maxTokens.value = params.get('max_tokens') || saved.maxTokens || '';
 }
 function saveSettings() {
   try {
     localStorage.setItem('rtserve-demo', JSON.stringify({
       url: ui.url.value === defaultUrl() ? undefined : ui.url.value,
       instructions: ui.instructions.value, voice: ui.voice.checked, vad: ui.vadToggle.checked,
-      silence: Number(ui.silence.value),
+      silence: Number(ui.silence.value), maxTokens: ui.maxTokens.value,
     }));
   } catch (_) { /* private mode */ }
 }
@@ -83,11 +87,17 @@ function silenceMs() {
   return Number.isFinite(v) ? Math.min(3000, Math.max(100, v)) : 500;
 }
 
+function maxTokens() {
+  const v = Math.round(Number(ui.maxTokens.value));
+  return ui.maxTokens.value.trim() && Number.isFinite(v) && v > 0 ? Math.min(4096, v) : 'inf';
+}
+
 function sessionConfig() {
   return {
     type: 'realtime',
     output_modalities: ui.voice.checked ? ['audio'] : ['text'],
     instructions: ui.instructions.value,
+    max_output_tokens: maxTokens(),
     audio: {
       input: {
         format: { type: 'audio/pcm', rate: RATE },
@@ -153,7 +163,7 @@ const turnByResponse = new Map();
 function newTurn(kind) {
   if (cur && (cur.user || cur.assistant)) archive(cur);
   cur = {
-    user: '', assistant: '', listening: kind === 'listening', interrupted: false, noSpeech: false,
+    user: '', userFinal: false, assistant: '', listening: kind === 'listening', interrupted: false, noSpeech: false,
     anchor: null, firstText: null, firstAudio: null, responseId: null, userItem: null, el: null,
   };
   state.turns += 1;
@@ -181,6 +191,7 @@ function render(t) {
   a.dataset.state = t.interrupted ? 'interrupted' : t.assistant ? 'text' : 'empty';
   if (t === cur) {
     state.userTranscript = t.user;
+    state.userTranscriptFinal = t.userFinal;
     state.assistantText = t.assistant;
   }
 }
@@ -234,13 +245,14 @@ function connect() {
   }
   ws = sock;
   samplesSent = 0;
+  state.audioSentMs = 0;
   sentMarks.length = 0;
   pendingCreate = false;
   state.cancelling = false;
   userClosed = false;
   opened = false;
   setConnection('connecting');
-  sock.onopen = () => { opened = true; };
+  sock.onopen = () => { opened = true; state.subprotocol = sock.protocol; };
   sock.onmessage = (ev) => {
     if (sock !== ws) return;
     let msg;
@@ -345,6 +357,7 @@ function onEvent(m) {
       const t = turnByUserItem.get(m.item_id) || cur;
       if (!t) break;
       t.user = (m.transcript || '').trim();
+      t.userFinal = true;
       t.listening = false;
       if (!t.user) t.noSpeech = true;
       render(t);
@@ -641,6 +654,7 @@ function onMicFrame(d) {
   const bytes = new Uint8Array(d.pcm);
   if (send({ type: 'input_audio_buffer.append', audio: b64FromBytes(bytes) })) {
     samplesSent += bytes.length >> 1;
+    state.audioSentMs = Math.round((samplesSent / RATE) * 1000);
     sentMarks.push([samplesSent - (bytes.length >> 1), performance.now() - ((bytes.length >> 1) / RATE) * 1000]);
     if (sentMarks.length > 600) sentMarks.splice(0, sentMarks.length - 600);
   }
@@ -673,19 +687,23 @@ function endTalk(commit = true) {
   }, 30);
 }
 
+let pressed = false; // the pointer (or Space/Enter) is down on the mic button
 async function onMicDown(ev) {
   if (ev.button != null && ev.button !== 0) return;
   ensureAudio();
   if (vadOn()) return; // VAD mode uses click (toggle)
+  pressed = true;
+  if (ev.pointerId != null) { try { ui.mic.setPointerCapture(ev.pointerId); } catch (_) { /* not a live pointer */ } }
+  if (state.talking) { endTalk(true); pressAt = 0; return; } // tap-to-toggle: the second tap sends
   if (!state.micOn) await startMic();
-  if (!state.micOn) return;
-  if (state.talking) { endTalk(true); pressAt = 0; return; } // tap-to-toggle: second tap sends
-  pressAt = performance.now();
+  if (!state.micOn || state.talking) return;
   beginTalk();
+  pressAt = pressed ? performance.now() : 0; // released while the mic was starting: that was a tap
 }
 function onMicUp() {
+  pressed = false;
   if (vadOn() || !state.talking || !pressAt) return;
-  if (performance.now() - pressAt >= HOLD_MS) endTalk(true); // held: release sends
+  if (performance.now() - pressAt >= HOLD_MS) endTalk(true); // held: the release sends
   pressAt = 0;                                              // tapped: keep talking until the next tap
 }
 function onMicClick() {
@@ -718,6 +736,7 @@ function sendText(text) {
   bargeIn();
   const t = newTurn('typed');
   t.user = text;
+  t.userFinal = true;
   t.anchor = performance.now();
   render(t);
   send({
@@ -741,13 +760,13 @@ function init() {
   ui.mic.addEventListener('click', onMicClick);
   ui.mic.addEventListener('pointerdown', onMicDown);
   ui.mic.addEventListener('pointerup', onMicUp);
-  ui.mic.addEventListener('pointerleave', () => { if (pressAt && state.talking && performance.now() - pressAt >= HOLD_MS) { endTalk(true); pressAt = 0; } });
+  ui.mic.addEventListener('pointercancel', onMicUp);
   ui.mic.addEventListener('keydown', (e) => {
     if ((e.key === ' ' || e.key === 'Enter') && !vadOn()) { e.preventDefault(); if (!e.repeat) onMicDown({}); }
   });
   ui.mic.addEventListener('keyup', (e) => { if ((e.key === ' ' || e.key === 'Enter') && !vadOn()) onMicUp(); });
   ui.errorClose.addEventListener('click', clearError);
-  for (const el of [ui.instructions, ui.voice, ui.vadToggle, ui.silence]) el.addEventListener('change', updateSession);
+  for (const el of [ui.instructions, ui.voice, ui.vadToggle, ui.silence, ui.maxTokens]) el.addEventListener('change', updateSession);
   ui.vadToggle.addEventListener('change', () => { if (state.talking) endTalk(false); });
   ui.url.addEventListener('change', saveSettings);
   window.addEventListener('beforeunload', () => { userClosed = true; if (ws) ws.close(1000); });
