@@ -110,7 +110,8 @@ async def test_bad_audio_input_errors_and_session_goes_on(server):
 
 
 async def test_transcription_only_session(server):
-    raw = await open_voice(server, {"type": "realtime"}, query="?intent=transcription")
+    raw = await open_voice(server, {"type": "realtime", "audio": {"input": {"turn_detection": {
+        "type": "semantic_vad", "eagerness": "medium"}}}}, query="?intent=transcription")
     pcm, on, off = utterance(QUESTION, PCM16)
     await raw.stream(pcm, PCM16)
     events = await raw.until("conversation.item.input_audio_transcription.completed")

@@ -117,3 +117,31 @@ async def test_eight_concurrent_voice_sessions_batch_the_encoder(server):
     stats = await server.wait_idle()
     assert stats["kv_blocks_used"] == 0 and stage.stats()["transcriptions_inflight"] == 0
     assert not server.app.state.sessions
+
+
+async def test_disconnects_leave_nothing_behind(server):
+    """Clients that vanish mid-turn, mid-transcription or mid-reply: the engine request, the transcription, the queued
+    speech and the session are all gone afterwards."""
+    stage = server.app.state.audio.start()
+    pcm, _, _ = utterance("tell me a long story about a dragon and a knight")
+    # 1) gone while its reply is being spoken
+    raw = await open_voice(server, {**VOICE_SESSION, "max_output_tokens": 120,
+                                    "instructions": "You are a storyteller. Tell long, detailed stories."})
+    await raw.stream(pcm, PCM16)
+    await raw.until("response.output_audio.delta")
+    await raw.ws.close()
+    # 2) gone right after the end of its speech (transcription in flight) and 3) in the middle of speaking
+    for cut in (len(pcm), len(pcm) // 2):
+        raw = await open_voice(server)
+        await raw.stream(pcm[:cut - cut % 2], PCM16)
+        await raw.until("input_audio_buffer.speech_started")
+        await raw.ws.close()
+    for _ in range(200):
+        stats = await server.wait_idle()
+        busy = stage.stats()["transcriptions_inflight"] or (stage._speech is not None and stage._speech.qsize())
+        if not busy and not server.app.state.sessions and stats["kv_blocks_used"] == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert stats["kv_blocks_used"] == 0 and stats["requests_running"] == 0
+    assert stage.stats()["transcriptions_inflight"] == 0 and stage._speech.qsize() == 0
+    assert not server.app.state.sessions
