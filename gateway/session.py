@@ -310,8 +310,7 @@ class RealtimeSession:
         audio = p.get_str(event, "audio", "audio", required=True)
         if not audio:
             raise p.ProtocolError("audio is empty.", "invalid_value", "audio")
-        voice = self.voice()
-        voice.submit(lambda: voice.append(audio), p.client_event_id(event))
+        self.voice().submit_append(audio, p.client_event_id(event))
 
     def _on_commit(self, event: dict) -> None:
         if self.audio is None:

@@ -32,7 +32,8 @@ from gateway.conversation import Item
 log = logging.getLogger("rtserve.voice")
 
 SPECULATE_AFTER_MS = 200  # trailing silence after which the turn's audio is transcribed ahead of speech_stopped
-MAX_PENDING_OPS = 256  # input events queued per session before appends are refused (client outpaces the VAD)
+MAX_PENDING_OPS = 4096  # input events queued per session (~80 s of 20 ms appends) before events are refused
+MAX_PENDING_CHARS = 48 * 1024 * 1024  # base64 audio queued per session (three maximal appends) before appends are refused
 AUDIO_DELTA_MS = 200  # one response.output_audio.delta carries at most this much audio
 
 
@@ -139,6 +140,7 @@ class VoiceInput:
         self._worker: asyncio.Task | None = None
         self._running = False
         self._nested: list = []
+        self._pending_chars = 0  # base64 audio queued, not yet decoded
         self._spec: tuple[tuple[int, int], asyncio.Task] | None = None  # speculative transcript of a pausing turn
 
     @property
@@ -206,6 +208,18 @@ class VoiceInput:
                 self.vad = vad_from_config(self.turn, self.buf.timeline_ms)
                 self.speech_item_id = None
         self.submit(op, None)
+
+    def submit_append(self, audio: str, event_id: str | None) -> None:
+        """Queue an append; the queued audio is capped in bytes too, so a flood cannot pile up memory."""
+        if self._pending_chars + len(audio) > MAX_PENDING_CHARS:
+            raise p.ProtocolError("Input audio is arriving faster than it can be processed; this append was dropped.",
+                                  "input_audio_buffer_full", "audio")
+        self._pending_chars += len(audio)
+
+        async def op() -> None:
+            self._pending_chars -= len(audio)
+            await self.append(audio)
+        self.submit(op, event_id)
 
     async def append(self, audio: str) -> None:
         results = await asyncio.to_thread(self._ingest, audio, self.vad, self.turn)
