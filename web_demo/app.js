@@ -472,7 +472,22 @@ function ensureAudio() {
     outGain.connect(ctx.destination);
   }
   if (ctx.state === 'suspended') ctx.resume().catch(() => {});
+  watchAudio(ctx);
   return ctx;
+}
+
+// A context that is still not running a few seconds after a click means no usable audio device (or a browser that
+// wants another click): say so once, instead of a silent mic and silent replies. Text turns keep working.
+const watched = new WeakSet();
+function watchAudio(c) {
+  if (watched.has(c)) return;
+  watched.add(c);
+  setTimeout(() => {
+    if (c.state === 'running' || c.state === 'closed') return;
+    showError('The browser\'s audio engine has not started (no audio device, or it is waiting for a click on the page): ' +
+              'the microphone and spoken replies need it; typed turns still work.');
+    document.addEventListener('click', () => c.resume().catch(() => {}), { once: true });
+  }, 3000);
 }
 
 // Playback: each delta becomes an AudioBufferSourceNode scheduled right after the previous one. The first chunk of a reply
@@ -619,7 +634,8 @@ async function startMic() {
   src.connect(node);
   node.connect(sink);
   sink.connect(capCtx.destination);
-  if (capCtx.state === 'suspended') await capCtx.resume().catch(() => {});
+  if (capCtx.state === 'suspended') capCtx.resume().catch(() => {}); // never await: it hangs with no audio device
+  watchAudio(capCtx);
   Object.assign(mic, { stream, ctx: capCtx === c ? null : capCtx, src, node, sink });
   state.micOn = true;
   if (vadOn()) setPill(ui.vad, 'idle', 'listening');
