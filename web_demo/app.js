@@ -12,7 +12,7 @@ const HOLD_MS = 350;          // push-to-talk: a press longer than this is "hold
 
 const $ = (id) => document.getElementById(id);
 const ui = {
-  status: $('status') || document.querySelector('[data-testid=status]'),
+  status: $('status'),
   connect: $('connect'), mic: $('mic'), micLabel: $('mic-label'), micLevel: $('mic-level'), micHint: $('mic-hint'),
   textForm: $('text-form'), textInput: $('text-input'), send: $('send'),
   user: $('user-transcript'), assistant: $('assistant-text'), history: $('history'),
@@ -537,9 +537,14 @@ function playChunk(itemId, responseId, b64) {
   return firstOfItem ? performance.now() + (start - now) * 1000 : null;
 }
 
+// What has reached the speaker: the graph's clock minus the output device's latency (where the browser reports it).
+function heardTime() {
+  return ctx ? ctx.currentTime - (Number.isFinite(ctx.outputLatency) ? ctx.outputLatency : 0) : 0;
+}
+
 function playedMs() {
   if (!ctx) return 0;
-  const now = ctx.currentTime;
+  const now = heardTime();
   let ms = 0;
   for (const s of player.segments) if (!s.old) ms += Math.min(Math.max(now - s.start, 0), s.dur) * 1000;
   return ms;
@@ -568,7 +573,8 @@ function stopPlayback() {
   for (const src of player.sources) { try { src.stop(); } catch (_) { /* not started */ } src.disconnect(); }
   player.sources.clear();
   if (ctx) player.end = ctx.currentTime;
-  for (const s of player.segments) s.dur = Math.min(s.dur, Math.max((ctx ? ctx.currentTime : 0) - s.start, 0));
+  const cut = heardTime();
+  for (const s of player.segments) s.dur = Math.min(s.dur, Math.max(cut - s.start, 0));
   state.playing = false;
   return ms;
 }
