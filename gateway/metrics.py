@@ -69,6 +69,11 @@ class AudioCollector:
             sizes.add_metric([str(size)], n)
         yield sizes
         yield GaugeMetricFamily("rtserve_whisper_rtf", "Whisper compute seconds per audio second.", value=tr["rtf"])
+        tts = stats.get("tts") or {}
+        yield CounterMetricFamily("rtserve_tts_requests", "Clauses synthesized.", value=tts.get("requests", 0))
+        yield CounterMetricFamily("rtserve_tts_seconds", "Seconds spent synthesizing.", value=tts.get("seconds", 0.0))
+        yield GaugeMetricFamily("rtserve_tts_max_seconds", "Longest synthesis of one clause.",
+                                value=tts.get("max_seconds", 0.0))
         spec = stats.get("speculative_transcriptions") or {}
         for key in ("started", "used"):
             yield CounterMetricFamily(f"rtserve_speculative_transcriptions_{key}",

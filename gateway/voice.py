@@ -33,7 +33,7 @@ log = logging.getLogger("rtserve.voice")
 
 SPECULATE_AFTER_MS = 200  # trailing silence after which the turn's audio is transcribed ahead of speech_stopped
 MAX_PENDING_OPS = 4096  # input events queued per session (~80 s of 20 ms appends) before events are refused
-MAX_PENDING_CHARS = 48 * 1024 * 1024  # base64 audio queued per session (three maximal appends) before appends are refused
+MAX_PENDING_CHARS = 48 * 1024 * 1024  # base64 audio queued per session (three maximal appends) before refusals
 AUDIO_DELTA_MS = 200  # one response.output_audio.delta carries at most this much audio
 
 
@@ -51,6 +51,7 @@ class AudioStage:
     _dispatcher: asyncio.Task | None = field(default=None, repr=False)
     _seq: itertools.count = field(default_factory=itertools.count, repr=False)
     speculations: dict = field(default_factory=lambda: {"started": 0, "used": 0})
+    speech_stats: dict = field(default_factory=lambda: {"requests": 0, "seconds": 0.0, "max_seconds": 0.0})
 
     def start(self) -> "AudioStage":
         with self._lock:
@@ -80,12 +81,18 @@ class AudioStage:
             _, _, text, fmt, speed, done = await self._speech.get()
             if done.done():  # its response was cancelled while it waited
                 continue
+            start = time.perf_counter()
             try:
                 raw = await self.tts.speak_format(text, fmt, speed)
             except Exception as exc:  # noqa: BLE001 - handed to the waiting response
                 if not done.done():
                     done.set_exception(exc)
                 continue
+            took = time.perf_counter() - start
+            st = self.speech_stats
+            st["requests"] += 1
+            st["seconds"] += took
+            st["max_seconds"] = max(st["max_seconds"], took)
             if not done.done():
                 done.set_result(raw)
 
@@ -102,7 +109,7 @@ class AudioStage:
         tr = self.transcriber
         return {"transcriber": tr.stats.snapshot() if tr is not None else None,
                 "transcriptions_inflight": tr.inflight if tr is not None else 0,
-                "speculative_transcriptions": dict(self.speculations)}
+                "speculative_transcriptions": dict(self.speculations), "tts": dict(self.speech_stats)}
 
 
 def vad_from_config(turn: dict | None, position_ms: int) -> StreamingVAD | None:
@@ -472,7 +479,7 @@ class AudioOutput:
             try:
                 raw = await self.stage.speak(index, piece, self.fmt, self.speed)
                 index += 1
-            except TTSError as exc:
+            except (TTSError, AudioError) as exc:
                 log.warning("response %s: TTS failed for %r: %s", self.resp.id, piece[:40], exc)
                 continue
             if self.first_audio_at is None:

@@ -99,8 +99,8 @@ async def test_bad_audio_input_errors_and_session_goes_on(server):
     assert session.voice().buf.duration_ms == 0
     # ... and the session still works: an input_audio item (µ-law now) is transcribed and answered.
     ulaw, _, _ = utterance(QUESTION, ULAW, tail_ms=200)
-    await raw.send({"type": "conversation.item.create", "item": {
-        "type": "message", "role": "user", "content": [{"type": "input_audio", "audio": base64.b64encode(ulaw).decode()}]}})
+    part = {"type": "input_audio", "audio": base64.b64encode(ulaw).decode()}
+    await raw.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [part]}})
     await raw.send({"type": "response.create"})
     events = await raw.until("response.done")
     completed = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
