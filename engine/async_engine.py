@@ -30,6 +30,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopped = False
         self._error: BaseException | None = None
+        self._stats = self.engine.stats()           # snapshot published by the engine thread (no cross-thread reads)
         self._thread = threading.Thread(target=self._run, name="rtserve-engine", daemon=True)
         self._thread.start()
 
@@ -67,7 +68,8 @@ class AsyncEngine:
         self._submit(("release", session_id))
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        """Engine counters as of the last step or command the engine thread handled."""
+        return dict(self._stats)
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -103,6 +105,7 @@ class AsyncEngine:
                 self.engine.release_session(cmd[1])
 
     def _deliver(self, items: list[tuple[str, object]]) -> None:
+        self._stats = self.engine.stats()           # consumers that see a finish also see its blocks freed
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for rid, out in items:
             stream = self._streams.get(rid)
@@ -120,6 +123,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopped:
             self._drain_commands()
+            self._stats = self.engine.stats()
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()

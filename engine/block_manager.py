@@ -35,6 +35,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}          # block hash -> block id
         self.pins: OrderedDict[str, list[int]] = OrderedDict()  # session -> pinned block ids, LRU by last use
         self.max_pinned_blocks = num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
+        self.num_cached_free = 0                  # free blocks that still hold a hash (kept as a counter: O(1) stats)
         self.prefix_queries = 0                   # prompt tokens looked up
         self.prefix_hits = 0                      # of which found in the cache
 
@@ -46,10 +47,6 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         return len(self.free_queue)
-
-    @property
-    def num_cached_free(self) -> int:
-        return sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None)
 
     @property
     def num_pinned(self) -> int:
@@ -87,12 +84,14 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self.free_queue[block_id]
+            self.num_cached_free -= block.block_hash is not None
         block.ref_count += 1
 
     def _pop_free(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:            # evict: the LRU cached block is reused for new content
+            self.num_cached_free -= 1
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
             block.block_hash = None
@@ -105,6 +104,7 @@ class BlockManager:
         assert block.ref_count >= 0, f"block {block_id} freed twice"
         if block.ref_count == 0:
             self.free_queue[block_id] = None
+            self.num_cached_free += block.block_hash is not None
 
     def allocate_slots(self, req: Request, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
         """Make req.block_table cover num_computed_tokens (+ the cache hit) + num_new_tokens. All or nothing."""

@@ -151,6 +151,7 @@ def test_random_stress_never_leaks():
         assert held >= 0
         for blk in bm.blocks:
             assert blk.ref_count >= 0
+        assert bm.num_cached_free == sum(bm.blocks[b].block_hash is not None for b in bm.free_queue)
     for r in live:
         bm.free(r)
     for sid in list(bm.pins):
