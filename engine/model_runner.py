@@ -31,10 +31,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
-    with torch.device("meta"):
+    with torch.device("meta"):                # no init work: every parameter is assigned from the file below
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu")
     model.load_hf_state_dict(state)
+    model.inv_freq = torch.empty(0)            # the meta buffer has no data; set for real after the dtype cast
     model = model.to(device=device, dtype=dtype).eval()
     model.inv_freq = rope_inv_freq(config, model.head_dim).to(device)  # rope angles stay fp32 whatever the dtype
     return model

@@ -160,9 +160,9 @@ class LlamaForCausalLM(nn.Module):
             m = p + "mlp."
             ours[m + "gate_up_proj.weight"] = torch.cat([ours.pop(m + "gate_proj.weight"), ours.pop(m + "up_proj.weight")])
         if "lm_head.weight" not in ours:
-            ours["lm_head.weight"] = ours["embed_tokens.weight"]   # tied embeddings
+            ours["lm_head.weight"] = ours["embed_tokens.weight"]   # tied embeddings (one tensor, shared)
         for key in [k for k in ours if k.endswith("rotary_emb.inv_freq")]:
             ours.pop(key)
-        missing, unexpected = self.load_state_dict(ours, strict=False)
+        missing, unexpected = self.load_state_dict(ours, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"weight mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
