@@ -141,10 +141,13 @@ def server_batches(url: str) -> str:
         return "n/a"
     sizes = re.findall(r'rtserve_whisper_batch_size_count\{size="(\d+)"\} ([0-9.]+)', text)
     spec = dict(re.findall(r'rtserve_speculative_transcriptions_(started|used)_total ([0-9.]+)', text))
+    spec.update(re.findall(r'rtserve_speculative_replies_(pregenerated|adopted)_total ([0-9.]+)', text))
     tts = dict(re.findall(r'rtserve_tts_(requests_total|seconds_total|max_seconds) ([0-9.e+-]+)', text))
     rtf = re.findall(r'rtserve_whisper_rtf ([0-9.e+-]+)', text)
     return (", ".join(f"{s}×{int(float(n))}" for s, n in sizes) or "n/a") + \
         f"; speculative transcriptions used/started: {spec.get('used', '?')}/{spec.get('started', '?')}" + \
+        f"; replies decoded during the pause adopted/started: {spec.get('adopted', '?')}/" + \
+        f"{spec.get('pregenerated', '?')}" + \
         f"; Whisper RTF (encoder+decoder, served) {float(rtf[0]) if rtf else float('nan'):.3f}" + \
         f"; TTS clauses {float(tts.get('requests_total', 0)):.0f}, mean " + \
         f"{1000 * float(tts.get('seconds_total', 0)) / max(1.0, float(tts.get('requests_total', 0))):.0f} ms, " + \

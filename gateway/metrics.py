@@ -78,6 +78,9 @@ class AudioCollector:
         for key in ("started", "used"):
             yield CounterMetricFamily(f"rtserve_speculative_transcriptions_{key}",
                                       f"Turns transcribed during a pause ({key}).", value=spec.get(key, 0))
+        for key in ("pregenerated", "adopted"):
+            yield CounterMetricFamily(f"rtserve_speculative_replies_{key}",
+                                      f"Replies decoded during a pause ({key}).", value=spec.get(key, 0))
 
 
 class Metrics:

@@ -33,7 +33,7 @@ from gateway.conversation import Conversation, Item, PromptRenderer, Rendered, p
     truncate_part
 from gateway.handshake import Handshake
 from gateway.metrics import LatencyTimer, Metrics
-from gateway.voice import AudioOutput, AudioStage, VoiceInput
+from gateway.voice import AudioOutput, AudioStage, Pregen, VoiceInput
 
 log = logging.getLogger("rtserve.session")
 
@@ -426,18 +426,45 @@ class RealtimeSession:
 
     # ---------------------------------------------------------------------------------------- the response
     async def _build_prompt(self, resp: ActiveResponse) -> Rendered:
+        items = list(resp.items if resp.items is not None else self.conversation.items)
+        return await self._render(items, resp.params.instructions, resp.extends_session)
+
+    async def _render(self, items: list[Item], instructions: str, extends_session: bool) -> Rendered:
         """Render the prompt (in a thread: templates and tokenizers are CPU work), dropping the oldest items while it
         does not fit the model (OpenAI's `truncation: auto`)."""
-        items = list(resp.items if resp.items is not None else self.conversation.items)
-        previous = self.rendered if resp.extends_session else None
+        previous = self.rendered if extends_session else None
         limit = self.engine.max_model_len - 1
         while True:
-            prompt, _ = await asyncio.to_thread(self.renderer.render, to_messages(items, resp.params.instructions),
-                                                previous)
+            prompt, _ = await asyncio.to_thread(self.renderer.render, to_messages(items, instructions), previous)
             if len(prompt.ids) < limit or len(items) <= 1 or self.config.get("truncation") == "disabled":
                 return prompt
             items = items[1:]
             previous = None
+
+    def _sampling(self, params: sc.ResponseParams, prompt: Rendered) -> SamplingParams:
+        room = self.engine.max_model_len - len(prompt.ids)
+        wanted = params.max_output_tokens
+        max_tokens = min(room, self.limits.max_output_tokens if wanted == "inf" else wanted)
+        if max_tokens < 1:
+            raise PromptTooLongError(f"the conversation ({len(prompt.ids)} tokens) leaves no room to answer "
+                                     f"within the model's {self.engine.max_model_len}-token context")
+        return SamplingParams(max_tokens=max_tokens, temperature=params.temperature, stop_token_ids=self._stop_ids)
+
+    async def pregenerate(self, transcript: str) -> Pregen | None:
+        """Start decoding the reply to a turn that may be ending (server VAD pause): the prompt the response would
+        render if `transcript` were committed now. Nothing is sent; a response adopts it only if its prompt and
+        sampling turn out identical (see `_run_response`), otherwise it is aborted."""
+        params = sc.response_params(self.config, None, self.dialect)
+        pending = Item("pending", "message", role="user", content=[{"type": "input_audio", "transcript": transcript}])
+        settled = [it for it in self.conversation.items  # this turn's item, if committed already, is `pending`
+                   if not any(part.get("transcript", "") is None for part in it.content)]
+        prompt = await self._render([*settled, pending], params.instructions, True)
+        try:
+            sampling = self._sampling(params, prompt)
+        except PromptTooLongError:
+            return None
+        return Pregen(self.engine, f"{self.id}-{p.new_id('pre')}", prompt, sampling, priority=REALTIME_PRIORITY,
+                      cache_salt=self.hs.cache_salt, session_id=self.id)
 
     def _open_output(self, resp: ActiveResponse):
         """The sink that turns text deltas into events (audio integration: return a TTS sink when `self.tts`)."""
@@ -454,14 +481,11 @@ class RealtimeSession:
             if self._voice is not None and resp.items is None:  # the committed speech is this turn's prompt
                 await self._voice.wait_transcripts()  # (commits sent before response.create already ran: see _reader)
             prompt = await self._build_prompt(resp)
-            room = self.engine.max_model_len - len(prompt.ids)
-            wanted = resp.params.max_output_tokens
-            max_tokens = min(room, self.limits.max_output_tokens if wanted == "inf" else wanted)
-            if max_tokens < 1:
-                raise PromptTooLongError(f"the conversation ({len(prompt.ids)} tokens) leaves no room to answer "
-                                         f"within the model's {self.engine.max_model_len}-token context")
-            sampling = SamplingParams(max_tokens=max_tokens, temperature=resp.params.temperature,
-                                      stop_token_ids=self._stop_ids)
+            sampling = self._sampling(resp.params, prompt)
+            pre = self._voice.take_pregen() if self._voice is not None else None
+            if pre is not None and not (resp.extends_session and pre.matches(prompt, sampling)):
+                pre.cancel()
+                pre = None
             resp.item = Item(p.new_id("item"), "message", role="assistant", status="in_progress")
             self.send({"type": "response.output_item.added", "response_id": resp.id, "output_index": 0,
                        "item": resp.item.to_dict()})
@@ -472,9 +496,14 @@ class RealtimeSession:
             output = resp.output = self._open_output(resp)
             loop = asyncio.get_running_loop()
             timer = LatencyTimer(self.metrics, "realtime", loop.time())
-            gen = self.engine.generate(resp.request_id, prompt.ids, sampling, priority=REALTIME_PRIORITY,
-                                       cache_salt=self.hs.cache_salt,
-                                       session_id=self.id if resp.extends_session else None)
+            if pre is not None:  # decoded during the pause that ended the turn: same prompt, same sampling
+                self.audio.speculations["adopted"] += 1
+                resp.request_id = pre.request_id
+                gen = pre.stream()
+            else:
+                gen = self.engine.generate(resp.request_id, prompt.ids, sampling, priority=REALTIME_PRIORITY,
+                                           cache_salt=self.hs.cache_salt,
+                                           session_id=self.id if resp.extends_session else None)
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     out_ids.extend(out.new_token_ids)

@@ -50,7 +50,7 @@ class AudioStage:
     _speech: asyncio.PriorityQueue | None = field(default=None, repr=False)
     _dispatcher: asyncio.Task | None = field(default=None, repr=False)
     _seq: itertools.count = field(default_factory=itertools.count, repr=False)
-    speculations: dict = field(default_factory=lambda: {"started": 0, "used": 0})
+    speculations: dict = field(default_factory=lambda: {"started": 0, "used": 0, "pregenerated": 0, "adopted": 0})
     speech_stats: dict = field(default_factory=lambda: {"requests": 0, "seconds": 0.0, "max_seconds": 0.0})
 
     def start(self) -> "AudioStage":
@@ -149,6 +149,8 @@ class VoiceInput:
         self._nested: list = []
         self._pending_chars = 0  # base64 audio queued, not yet decoded
         self._spec: tuple[tuple[int, int], asyncio.Task] | None = None  # speculative transcript of a pausing turn
+        self._spec_taken: tuple[int, int] | None = None  # the segment whose speculation became the committed turn
+        self.pregen: Pregen | None = None  # the reply to that turn, decoding ahead (see RealtimeSession.pregenerate)
 
     @property
     def busy(self) -> bool:
@@ -287,22 +289,54 @@ class VoiceInput:
         self._drop_speculation()
 
         async def run() -> str:
-            return await self.stage.transcriber.transcribe_text(audio)
+            text = await self.stage.transcriber.transcribe_text(audio)
+            if text.strip() and self._wants_reply(key):  # the LLM starts on it too, still during the pause
+                try:
+                    pre = await self.s.pregenerate(text)
+                except Exception:  # noqa: BLE001 - only an optimization: the response will generate normally
+                    log.exception("session %s: pregeneration failed", self.s.id)
+                    pre = None
+                if pre is not None and self._wants_reply(key) and self.pregen is None:
+                    self.pregen = pre
+                    self.stage.speculations["pregenerated"] += 1
+                elif pre is not None:
+                    pre.cancel()
+            return text
         self._spec = (key, asyncio.create_task(run(), name=f"{self.s.id}-speculate"))
+        self._spec_taken = None
         self.stage.speculations["started"] += 1
+
+    def _wants_reply(self, key: tuple[int, int]) -> bool:
+        """The pausing turn `key` is still current and will get an automatic response."""
+        current = (self._spec is not None and self._spec[0] == key and self.s.active is None) or \
+            (self._spec_taken == key and self.s.active is not None and self.s.active.item is None)
+        return current and bool(self.turn and self.turn.get("create_response", True)) and not self.s.transcribe_only
 
     def _drop_speculation(self) -> None:
         if self._spec is not None:
             self._spec[1].cancel()
             self._spec = None
+        self._spec_taken = None
+        self._drop_pregen()
+
+    def _drop_pregen(self) -> None:
+        if self.pregen is not None:
+            self.pregen.cancel()
+            self.pregen = None
+
+    def take_pregen(self) -> "Pregen | None":
+        pre, self.pregen = self.pregen, None
+        return pre
 
     def _take_speculation(self, key: tuple[int, int]) -> asyncio.Task | None:
         spec, self._spec = self._spec, None
         if spec is not None and spec[0] == key:
             self.stage.speculations["used"] += 1
+            self._spec_taken = key
             return spec[1]
         if spec is not None:
             spec[1].cancel()
+        self._drop_pregen()
         return None
 
     async def commit(self) -> None:
@@ -332,6 +366,7 @@ class VoiceInput:
 
     # ------------------------------------------------------------------------------------------ VAD events
     def _speech_started(self, ev) -> None:
+        self._drop_speculation()
         self.speech_item_id = p.new_id("item")
         self.idle_anchor_ms = None
         self.s.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": ev.audio_start_ms,
@@ -345,7 +380,8 @@ class VoiceInput:
         self.s.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ev.audio_end_ms,
                      "item_id": item_id})
         self._commit(seg.audio_16k, item_id, self._take_speculation((ev.audio_start_ms, ev.audio_end_ms)))
-        self._auto_respond()
+        if not self._auto_respond():
+            self._drop_pregen()
 
     def _timeout(self, span, seg) -> None:
         item_id = p.new_id("item")
@@ -354,10 +390,12 @@ class VoiceInput:
         self._commit(seg.audio_16k, item_id)
         self._auto_respond()
 
-    def _auto_respond(self) -> None:
+    def _auto_respond(self) -> bool:
         if self.turn and self.turn.get("create_response", True) and not self.s.transcribe_only \
                 and self.s.active is None:
             self.s.start_response(None)
+            return True
+        return False
 
     def response_finished(self, audio_ms: int) -> None:
         """Start the idle clock when the reply's audio would have finished playing (idle_timeout_ms)."""
@@ -414,6 +452,58 @@ def _decode_clip(audio: str, fmt, param: str) -> np.ndarray:
         raise AudioError(f"{param} holds {1000 * len(samples) / fmt.rate:.1f} ms of audio; at least 100 ms is "
                          "needed", code="input_audio_buffer_commit_empty", param=param)
     return resample(int16_to_float(samples), fmt.rate, 16000)
+
+
+class Pregen:
+    """A reply decoded ahead, buffered until a response adopts it (`stream()` replays, then follows live) or it is
+    cancelled (the engine request is aborted)."""
+
+    def __init__(self, engine, request_id: str, prompt, sampling, **kwargs) -> None:
+        self.request_id, self.prompt, self.sampling = request_id, prompt, sampling
+        self.outputs: list = []
+        self.finished = False
+        self.error: BaseException | None = None
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._pump(engine.generate(request_id, prompt.ids, sampling, **kwargs)),
+                                         name=f"{request_id}-pregen")
+
+    async def _pump(self, gen) -> None:
+        try:
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    self.outputs.append(out)
+                    self._wake.set()
+        except Exception as exc:  # noqa: BLE001 - re-raised to the adopting response
+            self.error = exc
+        finally:
+            self.finished = True
+            self._wake.set()
+
+    def matches(self, prompt, sampling) -> bool:
+        a, b = self.sampling, sampling
+        return prompt.ids == self.prompt.ids and (a.max_tokens, a.temperature, a.stop_token_ids) == \
+            (b.max_tokens, b.temperature, b.stop_token_ids)
+
+    async def stream(self):
+        i = 0
+        try:
+            while True:
+                if i < len(self.outputs):
+                    i += 1
+                    yield self.outputs[i - 1]
+                    continue
+                if self.finished:
+                    if self.error is not None:
+                        raise self.error
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
 
 
 class AudioOutput:
