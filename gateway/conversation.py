@@ -216,8 +216,11 @@ class PromptRenderer:
             return Rendered(text, previous.ids + self.encode(text[len(previous.text):])), True
         return Rendered(text, self.encode(text)), False
 
+    def decode(self, ids: list[int]) -> str:
+        """Exactly the text of `ids` (special tokens kept, no clean-up), as the template will see it again."""
+        with self._lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
     def extend(self, prompt: Rendered, output_ids: list[int]) -> Rendered:
         """The state after a turn: the prompt plus the generated ids (with their stop token, if any)."""
-        with self._lock:
-            tail = self.tokenizer.decode(output_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return Rendered(prompt.text + tail, prompt.ids + list(output_ids))
+        return Rendered(prompt.text + self.decode(output_ids), prompt.ids + list(output_ids))

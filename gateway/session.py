@@ -581,7 +581,6 @@ class RealtimeSession:
         self.active = None
         self.send({"type": "response.done", "response": self._response_dict(resp)})
 
-
     def _rollback_history(self, item: Item) -> None:
         """After a truncate of the last answer: the token history keeps only the output tokens whose text is still in
         the item, so the next prompt extends it (prefix-cache hit up to the cut) instead of holding unheard text."""
@@ -589,16 +588,14 @@ class RealtimeSession:
             return  # older items: the next render no longer extends `rendered` and re-renders in full
         _, prompt, out_ids = self._last_turn
         kept = item.text()
-        decode = lambda k: self.renderer.tokenizer.decode(out_ids[:k], skip_special_tokens=False,  # noqa: E731
-                                                          clean_up_tokenization_spaces=False)
         lo, hi = 0, len(out_ids)  # the longest k whose text is a prefix of what is kept
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if kept.startswith(decode(mid)):
+            if kept.startswith(self.renderer.decode(out_ids[:mid])):
                 lo = mid
             else:
                 hi = mid - 1
-        self.rendered = Rendered(prompt.text + decode(lo), prompt.ids + out_ids[:lo])
+        self.rendered = Rendered(prompt.text + self.renderer.decode(out_ids[:lo]), prompt.ids + out_ids[:lo])
         self._last_turn = (item.id, prompt, out_ids[:lo])
 
 
