@@ -289,7 +289,7 @@ class VoiceInput:
         self._drop_speculation()
 
         async def run() -> str:
-            text = await self.stage.transcriber.transcribe_text(audio)
+            text = await self.stage.start().transcriber.transcribe_text(audio)
             if text.strip() and self._wants_reply(key):  # the LLM starts on it too, still during the pause
                 try:
                     pre = await self.s.pregenerate(text)
@@ -428,7 +428,7 @@ class VoiceInput:
                 if text:
                     self.s.send({"type": "conversation.item.input_audio_transcription.delta", **ids, "delta": text})
             else:
-                stream = self.stage.transcriber.transcribe(audio_16k)
+                stream = self.stage.start().transcriber.transcribe(audio_16k)
                 async with contextlib.aclosing(stream):
                     async for delta in stream:
                         self.s.send({"type": "conversation.item.input_audio_transcription.delta", **ids,

@@ -136,3 +136,30 @@ async def test_idle_timeout_triggers_a_turn(server):
     assert timeout["audio_end_ms"] - timeout["audio_start_ms"] >= 1500
     assert not any(e["type"] == "input_audio_buffer.speech_started" for e in events)
     await raw.ws.close()
+
+
+async def test_transcription_failure_is_reported_and_session_goes_on(server):
+    """The shared Whisper worker is stopped (a real failure, not a stand-in): committed audio gets `.failed`, the
+    session goes on; the next voice session starts a fresh worker."""
+    raw = await open_voice(server, {**VOICE_SESSION, "output_modalities": ["text"],
+                                    "audio": {"input": {"turn_detection": None}}})
+    pcm, _, _ = utterance(QUESTION, PCM16, tail_ms=200)
+    await raw.stream(pcm, PCM16)
+    stage = server.app.state.audio.start()
+    stage.transcriber.close()
+    try:
+        await raw.send({"type": "input_audio_buffer.commit"})
+        failed = (await raw.until("conversation.item.input_audio_transcription.failed"))[-1]
+        assert failed["error"]["code"] == "transcription_failed" and failed["content_index"] == 0
+        await raw.send({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}})
+        await raw.send({"type": "response.create"})
+        events = await raw.until("response.done")
+        assert events[-1]["response"]["status"] in ("completed", "incomplete")
+    finally:
+        stage.transcriber = None  # the next use starts a fresh worker
+    await raw.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+    await raw.send({"type": "input_audio_buffer.commit"})
+    completed = (await raw.until("conversation.item.input_audio_transcription.completed"))[-1]
+    assert wer(QUESTION, completed["transcript"]) <= 0.2
+    await raw.ws.close()
