@@ -5,6 +5,8 @@ like the LLM engine. `VoiceInput` is one session's input side: appends, commits 
 queue, and the per-append work (base64 decode, resampling, silero VAD) runs in a worker thread, so the event loop only
 routes events. `AudioOutput` is the response sink for `output_modalities: ["audio"]`: LLM text is cut into clauses as
 it streams and each clause is spoken while the LLM keeps decoding, so the first audio does not wait for the reply.
+To shorten the end of a turn, a pause of SPECULATE_AFTER_MS already transcribes the turn and starts decoding its reply
+(`Pregen`); both are used only if that pause turns out to be the end of the turn, and dropped if the user goes on.
 """
 from __future__ import annotations
 
@@ -142,7 +144,6 @@ class VoiceInput:
         self.speech_item_id: str | None = None  # announced in speech_started, used by the item it commits
         self.idle_anchor_ms: int | None = None  # input timeline ms when the last reply stopped playing
         self.transcripts: dict[str, asyncio.Task] = {}
-        self.last_speech_stopped: float | None = None  # loop time, for latency stats
         self._ops: asyncio.Queue = asyncio.Queue()
         self._worker: asyncio.Task | None = None
         self._running = False
@@ -376,7 +377,6 @@ class VoiceInput:
 
     def _speech_stopped(self, ev, seg) -> None:
         item_id, self.speech_item_id = self.speech_item_id or p.new_id("item"), None
-        self.last_speech_stopped = asyncio.get_running_loop().time()
         self.s.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ev.audio_end_ms,
                      "item_id": item_id})
         self._commit(seg.audio_16k, item_id, self._take_speculation((ev.audio_start_ms, ev.audio_end_ms)))
