@@ -13,7 +13,7 @@ API for the gateway (one Realtime session in brackets, shared objects created at
     from audio.tts import TTSWorker, TTSError
     from audio.chunker import SentenceChunker
 
-    # process-wide (lifespan): one Whisper worker thread, one TTS thread
+    # process-wide (lifespan): one Whisper worker thread, TTS_THREADS (2) TTS threads
     transcriber = Transcriber()                  # loads Whisper in its own thread; .close() on shutdown
     tts = TTSWorker()                            # await tts.warmup() optional; .close() on shutdown
 

@@ -4,11 +4,14 @@
 
 Starts `rtserve serve` as a subprocess (or measures `--url` as is). Each session streams real speech (piper, a
 different question per session) in real time in `--chunk-ms` appends with server VAD (silence window 500 ms), and keeps
-streaming silence like an open microphone until the reply is done; `--turns` turns per session, all sessions talking at
-once. Measured by the client from the end of speech (the moment the last voiced audio was sent): speech_stopped, the
-transcription's `completed`, the first `response.output_audio_transcript.delta` (first text) and the first
-`response.output_audio.delta` (first audio), p50/p95. Then the Whisper encoder's real-time factor in this process, one
-batch of 8 clips vs the same clips one by one, and the server's encoder batch sizes from /metrics.
+streaming silence like an open microphone until the reply is done; `--turns` turns per session. Each session count runs
+once per `--spread-ms` value: 0 = all sessions start at the same moment (their turns end within a few ms of each
+other), S > 0 = session i starts i·S/N ms later (turns ending spread over S ms, like independent users).
+Measured by the client, per turn, from the end of speech — the moment the append holding the last voiced sample
+(−40 dB) was handed to the socket — to: speech_stopped, the transcription's `completed`, the first
+`response.output_audio_transcript.delta` (first text) and the first `response.output_audio.delta` (first audio),
+p50/p95; and first audio minus speech_stopped. Then the Whisper encoder's real-time factor in this process, one batch of
+8 clips vs the same clips one by one, and the server's counters from /metrics.
 """
 from __future__ import annotations
 
@@ -56,8 +59,10 @@ def make_clips() -> list[Clip]:
     return clips
 
 
-async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_ms: int, max_tokens: int) -> list:
+async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_ms: int, max_tokens: int,
+                      delay_s: float = 0.0) -> list:
     out = []
+    await asyncio.sleep(delay_s)
     silence = base64.b64encode(bytes(RATE * 2 * chunk_ms // 1000)).decode()
     async with websockets.connect(url, max_size=None) as ws:
         async def recv() -> dict:
@@ -91,14 +96,17 @@ async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_m
 
             listener = asyncio.create_task(listen())
             step = RATE * 2 * chunk_ms // 1000
+            last_voiced = (int(clip.speech_end_ms * RATE / 1000) - 1) * 2  # byte offset of the last voiced sample
+            end_of_speech = None
             t0 = time.perf_counter()
             sent_ms = 0.0
             for i in range(0, len(clip.pcm), step):  # the question, in real time
                 await ws.send(orjson.dumps({"type": "input_audio_buffer.append",
                                             "audio": base64.b64encode(clip.pcm[i:i + step]).decode()}).decode())
+                if i <= last_voiced < i + step:  # the end of speech, as the client sent it
+                    end_of_speech = time.perf_counter()
                 sent_ms += chunk_ms
                 await asyncio.sleep(max(0.0, t0 + sent_ms / 1000 - time.perf_counter()))
-            end_of_speech = t0 + clip.speech_end_ms / 1000
             while not done.is_set():  # the microphone stays open: silence until the reply is done
                 await ws.send(orjson.dumps({"type": "input_audio_buffer.append", "audio": silence}).decode())
                 sent_ms += chunk_ms
@@ -106,7 +114,10 @@ async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_m
                 if sent_ms > 120_000:
                     raise RuntimeError("no reply within 2 minutes of audio")
             await listener
-            out.append({k: v - end_of_speech for k, v in marks.items()})
+            turn = {k: v - end_of_speech for k, v in marks.items()}
+            if "audio" in marks and "stopped" in marks:
+                turn["after_stopped"] = marks["audio"] - marks["stopped"]
+            out.append(turn)
     return out
 
 
@@ -142,12 +153,14 @@ def server_batches(url: str) -> str:
     sizes = re.findall(r'rtserve_whisper_batch_size_count\{size="(\d+)"\} ([0-9.]+)', text)
     spec = dict(re.findall(r'rtserve_speculative_transcriptions_(started|used)_total ([0-9.]+)', text))
     spec.update(re.findall(r'rtserve_speculative_replies_(pregenerated|adopted)_total ([0-9.]+)', text))
+    spoken = re.findall(r'rtserve_speculative_speech_pieces_used_total ([0-9.]+)', text)
     tts = dict(re.findall(r'rtserve_tts_(requests_total|seconds_total|max_seconds) ([0-9.e+-]+)', text))
     rtf = re.findall(r'rtserve_whisper_rtf ([0-9.e+-]+)', text)
     return (", ".join(f"{s}×{int(float(n))}" for s, n in sizes) or "n/a") + \
         f"; speculative transcriptions used/started: {spec.get('used', '?')}/{spec.get('started', '?')}" + \
         f"; replies decoded during the pause adopted/started: {spec.get('adopted', '?')}/" + \
         f"{spec.get('pregenerated', '?')}" + \
+        f"; reply pieces synthesized during the pause and sent: {int(float(spoken[0])) if spoken else '?'}" + \
         f"; Whisper RTF (encoder+decoder, served) {float(rtf[0]) if rtf else float('nan'):.3f}" + \
         f"; TTS clauses {float(tts.get('requests_total', 0)):.0f}, mean " + \
         f"{1000 * float(tts.get('seconds_total', 0)) / max(1.0, float(tts.get('requests_total', 0))):.0f} ms, " + \
@@ -159,6 +172,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--sessions", default="1,8", help="comma-separated concurrent session counts")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--chunk-ms", type=int, default=40, help="append size (20-100 ms)")
+    ap.add_argument("--spread-ms", default="0,1500",
+                    help="comma-separated: session i starts i*S/N ms after the first (0: all at once); "
+                         "one run per value for each session count above 1")
     ap.add_argument("--max-output-tokens", type=int, default=24)
     ap.add_argument("--url", default=None, help="measure a running server (ws://host:port/v1/realtime) as it is")
     ap.add_argument("--server-args", default="", help="extra `rtserve serve` flags for the started server")
@@ -169,8 +185,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     counts = [int(x) for x in args.sessions.split(",") if x]
+    spreads = [int(x) for x in args.spread_ms.split(",") if x]
     print(f"rtserve bench voice: sessions {counts}, {args.turns} turns, {args.chunk_ms} ms appends in real time, "
-          f"server VAD (500 ms silence), {args.max_output_tokens} output tokens, {os.cpu_count()} CPUs", flush=True)
+          f"server VAD (500 ms silence), {args.max_output_tokens} output tokens, start spread {spreads} ms, "
+          f"{os.cpu_count()} CPUs", flush=True)
     clips = make_clips()
     proc, url = None, args.url
     if url is None:
@@ -179,20 +197,22 @@ def main(argv: list[str] | None = None) -> int:
         url = f"ws://127.0.0.1:{port}/v1/realtime"
     try:
         asyncio.run(run_session(url, 0, clips, 1, args.chunk_ms, args.max_output_tokens))  # warm-up
-        print("| sessions | turns | speech_stopped p50 | transcript p50 / p95 | first text p50 / p95 | "
-              "first audio p50 / p95 |", flush=True)
+        print("| sessions | start spread | turns | speech_stopped p50 | transcript p50 / p95 | first text p50 / p95 | "
+              "first audio p50 / p95 | first audio − speech_stopped p50 |", flush=True)
         for n in counts:
-            async def load():
-                return await asyncio.gather(*(run_session(url, i, clips, args.turns, args.chunk_ms,
-                                                          args.max_output_tokens) for i in range(n)))
-            turns = [t for r in asyncio.run(load()) for t in r]
+            for spread in (spreads if n > 1 else [0]):
+                async def load():
+                    return await asyncio.gather(*(run_session(url, i, clips, args.turns, args.chunk_ms,
+                                                              args.max_output_tokens, i * spread / 1000 / n)
+                                                  for i in range(n)))
+                turns = [t for r in asyncio.run(load()) for t in r]
 
-            def col(key: str, both: bool = True) -> str:
-                vals = [t[key] for t in turns if key in t]
-                p50 = f"{pct(vals, 50) * 1000:.0f} ms"
-                return f"{p50} / {pct(vals, 95) * 1000:.0f} ms" if both else p50
-            print(f"| {n} | {len(turns)} | {col('stopped', False)} | {col('transcript')} | {col('text')} | "
-                  f"{col('audio')} |", flush=True)
+                def col(key: str, both: bool = True) -> str:
+                    vals = [t[key] for t in turns if key in t]
+                    p50 = f"{pct(vals, 50) * 1000:.0f} ms"
+                    return f"{p50} / {pct(vals, 95) * 1000:.0f} ms" if both else p50
+                print(f"| {n} | {spread} ms | {len(turns)} | {col('stopped', False)} | {col('transcript')} | "
+                      f"{col('text')} | {col('audio')} | {col('after_stopped', False)} |", flush=True)
         print(f"server Whisper batches (size×count): {server_batches(url)}", flush=True)
     finally:
         if proc is not None:

@@ -81,6 +81,9 @@ class AudioCollector:
         for key in ("pregenerated", "adopted"):
             yield CounterMetricFamily(f"rtserve_speculative_replies_{key}",
                                       f"Replies decoded during a pause ({key}).", value=spec.get(key, 0))
+        yield CounterMetricFamily("rtserve_speculative_speech_pieces_used",
+                                  "Reply pieces synthesized during a pause and sent by the adopting response.",
+                                  value=spec.get("spoken", 0))
 
 
 class Metrics:

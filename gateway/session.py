@@ -33,7 +33,7 @@ from gateway.conversation import Conversation, Item, PromptRenderer, Rendered, p
     truncate_part
 from gateway.handshake import Handshake
 from gateway.metrics import LatencyTimer, Metrics
-from gateway.voice import AudioOutput, AudioStage, Pregen, VoiceInput
+from gateway.voice import AudioOutput, AudioStage, Pregen, SpeechPlan, VoiceInput, output_format
 
 log = logging.getLogger("rtserve.session")
 
@@ -463,8 +463,11 @@ class RealtimeSession:
             sampling = self._sampling(params, prompt)
         except PromptTooLongError:
             return None
-        return Pregen(self.engine, f"{self.id}-{p.new_id('pre')}", prompt, sampling, priority=REALTIME_PRIORITY,
-                      cache_salt=self.hs.cache_salt, session_id=self.id)
+        speech = None
+        if self.tts is not None and params.output_modalities == ["audio"]:  # the reply will be spoken: start on it
+            speech = SpeechPlan(self.audio, *output_format(self.config))
+        return Pregen(self.engine, f"{self.id}-{p.new_id('pre')}", prompt, sampling, speech=speech,
+                      priority=REALTIME_PRIORITY, cache_salt=self.hs.cache_salt, session_id=self.id)
 
     def _open_output(self, resp: ActiveResponse):
         """The sink that turns text deltas into events (audio integration: return a TTS sink when `self.tts`)."""
@@ -498,6 +501,11 @@ class RealtimeSession:
             timer = LatencyTimer(self.metrics, "realtime", loop.time())
             if pre is not None:  # decoded during the pause that ended the turn: same prompt, same sampling
                 self.audio.speculations["adopted"] += 1
+                spoken = pre.take_speech(*((output.fmt, output.speed) if isinstance(output, AudioOutput)
+                                           else (None, 0.0)))
+                if spoken:
+                    self.audio.speculations["spoken"] += len(spoken)
+                    output.adopt(spoken)
                 resp.request_id = pre.request_id
                 gen = pre.stream()
             else:

@@ -1,12 +1,14 @@
 """Voice: the audio stage wired into a Realtime session (speech in via VAD + Whisper, speech out via piper).
 
-`AudioStage` holds the process-wide workers (one batched Whisper transcriber, one TTS thread), shared by every session
+`AudioStage` holds the process-wide workers (one batched Whisper transcriber, two TTS threads), shared by every session
 like the LLM engine. `VoiceInput` is one session's input side: appends, commits and clears go through one ordered
 queue, and the per-append work (base64 decode, resampling, silero VAD) runs in a worker thread, so the event loop only
 routes events. `AudioOutput` is the response sink for `output_modalities: ["audio"]`: LLM text is cut into clauses as
 it streams and each clause is spoken while the LLM keeps decoding, so the first audio does not wait for the reply.
-To shorten the end of a turn, a pause of SPECULATE_AFTER_MS already transcribes the turn and starts decoding its reply
-(`Pregen`); both are used only if that pause turns out to be the end of the turn, and dropped if the user goes on.
+To shorten the end of a turn, a pause of SPECULATE_AFTER_MS already transcribes the turn, starts decoding its reply
+(`Pregen`) and, for spoken replies, synthesizes the reply's first pieces as they are decoded; nothing is sent. All of
+it is used only if that pause turns out to be the end of the turn (then, at speech_stopped, the response replays the
+buffered text and sends the audio already synthesized at once), and dropped if the user goes on.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ SPECULATE_AFTER_MS = 200  # trailing silence after which the turn's audio is tra
 MAX_PENDING_OPS = 4096  # input events queued per session (~80 s of 20 ms appends) before events are refused
 MAX_PENDING_CHARS = 48 * 1024 * 1024  # base64 audio queued per session (three maximal appends) before refusals
 AUDIO_DELTA_MS = 200  # one response.output_audio.delta carries at most this much audio
+FIRST_PIECE_MIN_WORDS = 2  # the first spoken piece ends at a clause boundary after this many words, or a sentence
+SPECULATIVE_PIECES = 2  # pieces of a pregenerated reply synthesized before the turn is known to have ended
 
 
 @dataclass(slots=True)
@@ -50,9 +54,10 @@ class AudioStage:
     tts: TTSWorker | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _speech: asyncio.PriorityQueue | None = field(default=None, repr=False)
-    _dispatcher: asyncio.Task | None = field(default=None, repr=False)
+    _dispatchers: list = field(default_factory=list, repr=False)  # one per TTS thread
     _seq: itertools.count = field(default_factory=itertools.count, repr=False)
-    speculations: dict = field(default_factory=lambda: {"started": 0, "used": 0, "pregenerated": 0, "adopted": 0})
+    speculations: dict = field(default_factory=lambda: {"started": 0, "used": 0, "pregenerated": 0, "adopted": 0,
+                                                         "spoken": 0})
     speech_stats: dict = field(default_factory=lambda: {"requests": 0, "seconds": 0.0, "max_seconds": 0.0})
 
     def start(self) -> "AudioStage":
@@ -70,10 +75,14 @@ class AudioStage:
             await self.tts.warmup()
 
     async def speak(self, priority: int, text: str, fmt, speed: float) -> bytes:
-        """Synthesize `text` in `fmt`; lower `priority` first (the clause's index in its response)."""
-        if self._dispatcher is None or self._dispatcher.done():
-            self._speech = asyncio.PriorityQueue()
-            self._dispatcher = asyncio.create_task(self._dispatch(), name="rtserve-tts-dispatch")
+        """Synthesize `text` in `fmt`; lower `priority` first (the clause's index in its response). Cancelling the
+        caller drops the request if it has not started."""
+        if not self._dispatchers or any(d.done() for d in self._dispatchers):
+            for d in self._dispatchers:
+                d.cancel()
+            self._speech = asyncio.PriorityQueue()  # one consumer per TTS thread: `threads` clauses at once
+            self._dispatchers = [asyncio.create_task(self._dispatch(), name=f"rtserve-tts-dispatch-{i}")
+                                 for i in range(self.start().tts.threads)]
         done = asyncio.get_running_loop().create_future()
         self._speech.put_nowait((priority, next(self._seq), text, fmt, speed, done))
         return await done
@@ -99,9 +108,9 @@ class AudioStage:
                 done.set_result(raw)
 
     def close(self) -> None:
-        if self._dispatcher is not None:
+        for d in self._dispatchers:
             with contextlib.suppress(RuntimeError):  # its loop may be closed already
-                self._dispatcher.get_loop().call_soon_threadsafe(self._dispatcher.cancel)
+                d.get_loop().call_soon_threadsafe(d.cancel)
         if self.transcriber is not None:
             self.transcriber.close()
         if self.tts is not None:
@@ -126,6 +135,12 @@ def vad_from_config(turn: dict | None, position_ms: int) -> StreamingVAD | None:
                            silence_duration_ms=turn["silence_duration_ms"])
     vad.reset(position_ms=position_ms)
     return vad
+
+
+def output_format(config: dict) -> tuple:
+    """The session's spoken-reply format and speed (`audio.output`)."""
+    aout = config["audio"]["output"]
+    return parse_audio_format(aout["format"], "audio.output.format"), float(aout.get("speed") or 1.0)
 
 
 def audio_error(exc: AudioError) -> p.ProtocolError:
@@ -454,18 +469,45 @@ def _decode_clip(audio: str, fmt, param: str) -> np.ndarray:
     return resample(int16_to_float(samples), fmt.rate, 16000)
 
 
+@dataclass(slots=True)
+class SpeechPlan:
+    """How a pregenerated reply would be spoken: the stage and the session's output format and speed."""
+    stage: AudioStage
+    fmt: object
+    speed: float
+
+
 class Pregen:
     """A reply decoded ahead, buffered until a response adopts it (`stream()` replays, then follows live) or it is
-    cancelled (the engine request is aborted)."""
+    cancelled (the engine request is aborted, speculative synthesis dropped).
 
-    def __init__(self, engine, request_id: str, prompt, sampling, **kwargs) -> None:
+    With a `SpeechPlan`, the text is cut into pieces exactly as `AudioOutput` will cut it and the first
+    SPECULATIVE_PIECES are synthesized as soon as they are complete; the adopting `AudioOutput` takes them
+    (`take_speech`) and sends their audio without waiting for TTS."""
+
+    def __init__(self, engine, request_id: str, prompt, sampling, speech: SpeechPlan | None = None,
+                 **kwargs) -> None:
         self.request_id, self.prompt, self.sampling = request_id, prompt, sampling
         self.outputs: list = []
         self.finished = False
         self.error: BaseException | None = None
         self._wake = asyncio.Event()
+        self._plan, self._speaking = speech, speech is not None
+        self._chunker = SentenceChunker(first_min_words=FIRST_PIECE_MIN_WORDS) if speech is not None else None
+        self.spoken: list[tuple[str, asyncio.Task]] = []  # (piece, its synthesis) in piece order
         self._task = asyncio.create_task(self._pump(engine.generate(request_id, prompt.ids, sampling, **kwargs)),
                                          name=f"{request_id}-pregen")
+
+    def _say(self, pieces: list[str]) -> None:
+        plan = self._plan
+        for piece in pieces:
+            if not self._speaking or len(self.spoken) >= SPECULATIVE_PIECES:
+                self._speaking = False
+                return
+            task = asyncio.create_task(plan.stage.speak(len(self.spoken), piece, plan.fmt, plan.speed),
+                                       name=f"{self.request_id}-tts{len(self.spoken)}")
+            task.add_done_callback(_retrieve)
+            self.spoken.append((piece, task))
 
     async def _pump(self, gen) -> None:
         try:
@@ -473,6 +515,10 @@ class Pregen:
                 async for out in gen:
                     self.outputs.append(out)
                     self._wake.set()
+                    if self._speaking and out.text_delta:
+                        self._say(self._chunker.push(out.text_delta))
+                    if self._speaking and out.finished:
+                        self._say(self._chunker.flush())
         except Exception as exc:  # noqa: BLE001 - re-raised to the adopting response
             self.error = exc
         finally:
@@ -501,9 +547,34 @@ class Pregen:
         finally:
             self.cancel()
 
+    def take_speech(self, fmt, speed: float) -> list[tuple[str, asyncio.Task]]:
+        """Hand the speculative synthesis to the adopting response (if it speaks in the same format and speed) and
+        stop synthesizing; what is not handed over is dropped."""
+        self._speaking = False
+        spoken, self.spoken = self.spoken, []
+        plan = self._plan
+        if plan is not None and (plan.fmt, float(plan.speed)) == (fmt, float(speed)):
+            return spoken
+        _drop(spoken)
+        return []
+
     def cancel(self) -> None:
+        self._speaking = False
+        _drop(self.spoken)
+        self.spoken = []
         if not self._task.done():
             self._task.cancel()
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A speculative synthesis nobody awaited must not log 'exception was never retrieved'."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _drop(spoken: list[tuple[str, asyncio.Task]]) -> None:
+    for _, task in spoken:
+        task.cancel()  # a queued synthesis is skipped; one already running finishes on its thread, unused
 
 
 class AudioOutput:
@@ -515,9 +586,7 @@ class AudioOutput:
 
     def __init__(self, session, resp, stage: AudioStage) -> None:
         self.s, self.resp, self.stage = session, resp, stage.start()
-        aout = session.config["audio"]["output"]
-        self.fmt = parse_audio_format(aout["format"], "audio.output.format")
-        self.speed = float(aout.get("speed") or 1.0)
+        self.fmt, self.speed = output_format(session.config)
         self.part = {"type": "output_audio", "transcript": ""}
         resp.item.content.append(self.part)
         self.index = len(resp.item.content) - 1
@@ -527,7 +596,8 @@ class AudioOutput:
         self.audio_ms = 0.0
         self.first_audio_at: float | None = None
         self.muted = False
-        self._chunker = SentenceChunker(first_min_words=3)
+        self._chunker = SentenceChunker(first_min_words=FIRST_PIECE_MIN_WORDS)
+        self._prespoken: list[tuple[str, asyncio.Task]] = []  # synthesized during the pause (Pregen.take_speech)
         self._search = 0
         self._pieces: asyncio.Queue = asyncio.Queue()
         self._ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0, "content_index": self.index}
@@ -554,20 +624,39 @@ class AudioOutput:
         self._pieces.put_nowait(None)
         await self._task
 
+    def adopt(self, spoken: list[tuple[str, asyncio.Task]]) -> None:
+        """Use the synthesis of a pregenerated reply's first pieces (same text, format and speed)."""
+        self._prespoken = list(spoken)
+
+    def _drop_prespoken(self) -> None:
+        _drop(self._prespoken)
+        self._prespoken = []
+
     def cancel(self) -> None:
+        self._drop_prespoken()
         self._task.cancel()
 
     def mute(self) -> None:
         """output_audio_buffer.clear: stop producing audio for this response (the text goes on)."""
         self.muted = True
-        self._task.cancel()
+        self.cancel()
 
     async def _speak(self) -> None:
+        try:
+            await self._speak_pieces()
+        finally:
+            self._drop_prespoken()
+
+    async def _speak_pieces(self) -> None:
         index = 0
         while (job := await self._pieces.get()) is not None:
             piece, chars = job
             try:
-                raw = await self.stage.speak(index, piece, self.fmt, self.speed)
+                if self._prespoken and self._prespoken[0][0] == piece:  # synthesized during the pause
+                    raw = await self._prespoken.pop(0)[1]
+                else:
+                    self._drop_prespoken()  # (pieces are cut identically, so this only happens if the text differs)
+                    raw = await self.stage.speak(index, piece, self.fmt, self.speed)
                 index += 1
             except (TTSError, AudioError) as exc:
                 log.warning("response %s: TTS failed for %r: %s", self.resp.id, piece[:40], exc)
@@ -583,6 +672,7 @@ class AudioOutput:
             self.resp.item.audio_ms[self.index] = int(self.audio_ms)
 
     def done(self) -> None:
+        self._drop_prespoken()
         if not self._task.done():
             self._task.cancel()
         transcript = self.part["transcript"]
