@@ -35,7 +35,7 @@ from gateway.conversation import Item
 
 log = logging.getLogger("rtserve.voice")
 
-SPECULATE_AFTER_MS = 200  # trailing silence after which the turn's audio is transcribed ahead of speech_stopped
+SPECULATE_AFTER_MS = 120  # trailing silence after which the turn's audio is transcribed ahead of speech_stopped
 MAX_PENDING_OPS = 4096  # input events queued per session (~80 s of 20 ms appends) before events are refused
 MAX_PENDING_CHARS = 48 * 1024 * 1024  # base64 audio queued per session (three maximal appends) before refusals
 AUDIO_DELTA_MS = 200  # one response.output_audio.delta carries at most this much audio
@@ -305,7 +305,9 @@ class VoiceInput:
         self._drop_speculation()
 
         async def run() -> str:
+            _trace(self.s.id, "speculate", key)
             text = await self.stage.start().transcriber.transcribe_text(audio)
+            _trace(self.s.id, "speculative transcript", text)
             if text.strip() and self._wants_reply(key):  # the LLM starts on it too, still during the pause
                 try:
                     pre = await self.s.pregenerate(text)
@@ -391,6 +393,7 @@ class VoiceInput:
             self.s.cancel_response("turn_detected")
 
     def _speech_stopped(self, ev, seg) -> None:
+        _trace(self.s.id, "speech_stopped", ev.audio_end_ms)
         item_id, self.speech_item_id = self.speech_item_id or p.new_id("item"), None
         self.s.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ev.audio_end_ms,
                      "item_id": item_id})
@@ -507,12 +510,16 @@ class Pregen:
             task = asyncio.create_task(plan.stage.speak(len(self.spoken), piece, plan.fmt, plan.speed),
                                        name=f"{self.request_id}-tts{len(self.spoken)}")
             task.add_done_callback(_retrieve)
+            _trace(self.request_id, "speculative piece", piece)
+            task.add_done_callback(lambda t, rid=self.request_id: _trace(rid, "speculative piece synthesized"))
             self.spoken.append((piece, task))
 
     async def _pump(self, gen) -> None:
         try:
             async with contextlib.aclosing(gen):
                 async for out in gen:
+                    if not self.outputs:
+                        _trace(self.request_id, "pregen first token")
                     self.outputs.append(out)
                     self._wake.set()
                     if self._speaking and out.text_delta:
@@ -566,6 +573,12 @@ class Pregen:
             self._task.cancel()
 
 
+def _trace(what: str, event: str, detail=None) -> None:
+    """Debug timeline of a turn's speculation (`--log-level debug`)."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("trace %.3f %s %s %s", time.perf_counter(), what, event, "" if detail is None else repr(detail))
+
+
 def _retrieve(task: asyncio.Task) -> None:
     """A speculative synthesis nobody awaited must not log 'exception was never retrieved'."""
     if not task.cancelled():
@@ -612,6 +625,7 @@ class AudioOutput:
             self._queue(piece)
 
     def _queue(self, piece: str) -> None:
+        _trace(self.resp.id, "piece", piece)
         text = self.part["transcript"]
         at = text.find(piece, self._search)
         self._search = at + len(piece) if at >= 0 else len(text)
@@ -662,6 +676,7 @@ class AudioOutput:
                 log.warning("response %s: TTS failed for %r: %s", self.resp.id, piece[:40], exc)
                 continue
             if self.first_audio_at is None:
+                _trace(self.resp.id, "first audio", piece)
                 self.first_audio_at = asyncio.get_running_loop().time()
             step = max(2, int(self.fmt.rate * self.fmt.bytes_per_sample * AUDIO_DELTA_MS / 1000))
             for i in range(0, len(raw), step):
