@@ -31,6 +31,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:   # 16-bit: one fused kernel (fp32 math inside); fp32 keeps HF's exact op order
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -80,9 +82,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = apply_rope(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # q and k in one go
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
