@@ -74,7 +74,8 @@ def _type_name(value: Any) -> str:
 
 # ------------------------------------------------------------------------------------------------ field checkers
 
-def get_str(obj: dict, key: str, param: str, *, required: bool = False, nullable: bool = False) -> str | None:
+def _get(obj: dict, key: str, param: str, kind: type, kind_name: str, required: bool, nullable: bool):
+    """The shared rule of the typed getters: absent → None (or `missing`), null only when nullable, else the type."""
     if key not in obj:
         if required:
             raise missing(param)
@@ -82,9 +83,13 @@ def get_str(obj: dict, key: str, param: str, *, required: bool = False, nullable
     value = obj[key]
     if value is None and nullable:
         return None
-    if not isinstance(value, str):
-        raise wrong_type(param, "a string", value)
+    if not isinstance(value, kind):
+        raise wrong_type(param, kind_name, value)
     return value
+
+
+def get_str(obj: dict, key: str, param: str, *, required: bool = False, nullable: bool = False) -> str | None:
+    return _get(obj, key, param, str, "a string", required, nullable)
 
 
 def get_int(obj: dict, key: str, param: str, *, required: bool = False, lo: int | None = None,
@@ -113,27 +118,11 @@ def get_number(obj: dict, key: str, param: str, *, lo: float, hi: float) -> floa
 
 
 def get_dict(obj: dict, key: str, param: str, *, required: bool = False, nullable: bool = False) -> dict | None:
-    if key not in obj:
-        if required:
-            raise missing(param)
-        return None
-    value = obj[key]
-    if value is None and nullable:
-        return None
-    if not isinstance(value, dict):
-        raise wrong_type(param, "an object", value)
-    return value
+    return _get(obj, key, param, dict, "an object", required, nullable)
 
 
 def get_list(obj: dict, key: str, param: str, *, nullable: bool = False) -> list | None:
-    if key not in obj:
-        return None
-    value = obj[key]
-    if value is None and nullable:
-        return None
-    if not isinstance(value, list):
-        raise wrong_type(param, "an array", value)
-    return value
+    return _get(obj, key, param, list, "an array", False, nullable)
 
 
 def check_choice(value: Any, param: str, choices: tuple) -> Any:
