@@ -109,6 +109,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
         req = Request(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt, session_id=session_id)
+        req.stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                                 else frozenset(self.eos_token_ids))
         self.requests[request_id] = req
         self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         self.scheduler.add(req)
@@ -135,8 +137,7 @@ class LLMEngine:
         for req in sched.preempted:            # requests the pool can no longer hold at all
             if req.status.finished:
                 self._finish(req, req.status)
-                outputs.append(self._output(req, [], self.detoks.get(req.request_id).flush()
-                                            if req.request_id in self.detoks else "", None))
+                outputs.append(self._output(req, [], self.detoks[req.request_id].flush(), None))
         if not sched.scheduled:
             return outputs
         self.num_steps += 1
@@ -157,7 +158,7 @@ class LLMEngine:
                 req.first_token_time = now
             detok = self.detoks[req.request_id]
             status = self._check_stop(req, tok)
-            delta = detok.add(tok) if not (status and tok in self._stop_ids(req)) else ""
+            delta = "" if status == RequestStatus.FINISHED_STOPPED else detok.add(tok)   # a stop token has no text
             if detok.stopped_by is not None:
                 status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = detok.stopped_by
@@ -167,14 +168,8 @@ class LLMEngine:
             outputs.append(self._output(req, [tok], delta, logprobs[j] if logprobs else None))
         return outputs
 
-    def _stop_ids(self, req: Request) -> set[int]:
-        ids = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            ids |= self.eos_token_ids
-        return ids
-
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
-        if tok in self._stop_ids(req):
+        if tok in req.stop_token_ids:
             req.stop_reason = tok
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:

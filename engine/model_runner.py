@@ -6,7 +6,6 @@ logits only at the last position of requests whose chunk reaches their end.
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -100,7 +99,3 @@ class ModelRunner:
             return torch.empty(0, self.config["vocab_size"]), []
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
         return logits.cpu(), sampling
-
-
-def model_config(model_dir: Path) -> dict:
-    return json.loads((model_dir / "config.json").read_text())

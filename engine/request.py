@@ -40,6 +40,7 @@ class Request:
     num_cached_tokens: int = -1            # prefix-cache hit at first scheduling (-1: not scheduled yet)
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    stop_token_ids: frozenset[int] = frozenset()   # EOS (unless ignore_eos) + params.stop_token_ids, set at admission
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: str | int | None = None

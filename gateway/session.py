@@ -295,6 +295,11 @@ class RealtimeSession:
         raise p.ProtocolError(f"{event['type']} is not available: this server runs without the audio stage.",
                               "audio_unavailable", "type")
 
+    def _require_audio(self, event: dict) -> None:
+        """Audio events on a server without the audio stage answer `audio_unavailable` before any field check."""
+        if self.audio is None:
+            self._on_audio_unavailable(event)
+
     def voice(self) -> VoiceInput:
         if self.audio is None:
             raise p.ProtocolError("Audio input is not available: this server runs without the audio stage.",
@@ -304,8 +309,7 @@ class RealtimeSession:
         return self._voice
 
     def _on_append(self, event: dict) -> None:
-        if self.audio is None:
-            self._on_audio_unavailable(event)
+        self._require_audio(event)
         p.check_known(event, {"type", "event_id", "audio"}, "")
         audio = p.get_str(event, "audio", "audio", required=True)
         if not audio:
@@ -313,23 +317,20 @@ class RealtimeSession:
         self.voice().submit_append(audio, p.client_event_id(event))
 
     def _on_commit(self, event: dict) -> None:
-        if self.audio is None:
-            self._on_audio_unavailable(event)
+        self._require_audio(event)
         p.check_known(event, {"type", "event_id"}, "")
         voice = self.voice()
         voice.submit(voice.commit, p.client_event_id(event))
 
     def _on_clear(self, event: dict) -> None:
-        if self.audio is None:
-            self._on_audio_unavailable(event)
+        self._require_audio(event)
         p.check_known(event, {"type", "event_id"}, "")
         voice = self.voice()
         voice.submit(voice.clear, p.client_event_id(event))
 
     def _on_output_audio_clear(self, event: dict) -> None:
         """Stop the active response's audio (its text goes on); the client drops what it has not played."""
-        if self.audio is None:
-            self._on_audio_unavailable(event)
+        self._require_audio(event)
         p.check_known(event, {"type", "event_id"}, "")
         resp = self.active
         if resp is None or not isinstance(resp.output, AudioOutput):
