@@ -119,9 +119,10 @@ def response_audio(events: list[dict], fmt: AudioFormat, beta: bool = False) -> 
 
 
 def check_plausible_speech(audio: np.ndarray, transcript: str, fmt: AudioFormat) -> None:
-    """Audio of roughly the right length for its transcript, and not silence."""
-    seconds, words = len(audio) / fmt.rate, len(transcript.split())
-    assert words >= 1 and 0.12 * words <= seconds <= 1.5 * words + 1.0, (seconds, transcript)
+    """Audio of roughly the right length for its transcript, and not silence. The length is counted in spoken
+    units: words, and every digit on its own (the voice may read "10077.3115" digit by digit)."""
+    seconds, units = len(audio) / fmt.rate, len(re.findall(r"[^\W\d_]+|\d", transcript))
+    assert units >= 1 and 0.12 * units <= seconds <= 1.5 * units + 1.0, (seconds, transcript)
     assert np.abs(audio.astype(np.float32)).max() > 1000
 
 
