@@ -1,7 +1,8 @@
 """``Transcriber``: one shared Whisper worker thread for all sessions, like an inference engine.
 
 Sessions submit 16 kHz segments from the event loop; the worker takes everything that is ready,
-computes log-mel + encoder for the whole batch at once, decodes the batch greedily, and streams
+computes log-mel + encoder for the whole batch at once (over the longest segment's length plus padding, not the
+full 30 s window), decodes the batch greedily, and streams
 append-only text deltas back to each request's asyncio queue.  Segments longer than 30 s are
 transcribed window by window (each window a row of a later batch).  A consumer that goes away
 (cancelled, ``aclose``, garbage collected) flags its request, and the worker drops the row at the
@@ -243,7 +244,7 @@ class Transcriber:
                 self._stream(r, text, final=final)
                 return not r.cancelled
 
-            model.decode_greedy(enc, on_step=on_step)
+            model.decode_greedy(enc, [model.max_tokens_for(len(a)) for a in audios], on_step=on_step)
             self.stats.decoder_seconds += time.perf_counter() - t1
         except Exception as exc:  # noqa: BLE001 - every request of the batch learns of the failure
             log.exception("transcription batch failed")

@@ -21,10 +21,15 @@ def _norm(s: str) -> str:
     return re.sub(r"\s+", " ", re.sub(r"[^a-z0-9' ]", " ", s.lower())).strip()
 
 
+def as_turn(speech: np.ndarray) -> np.ndarray:
+    """What server VAD hands the transcriber: 300 ms of prefix padding, the speech, 500 ms of silence."""
+    return np.concatenate([np.zeros(4800, np.float32), speech, np.zeros(8000, np.float32)])
+
+
 @pytest.fixture(scope="module")
 def clips():
-    return {"espeak": espeak_speech("What is the capital of France?"),
-            "piper": piper_speech("What is the capital of France?")}
+    return {"espeak": as_turn(espeak_speech("What is the capital of France?")),
+            "piper": as_turn(piper_speech("What is the capital of France?"))}
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +172,41 @@ def test_batch_rows_finish_independently(model, clips):
     assert jiwer.wer(REF, _norm(texts[0])) <= 0.2, texts
     assert jiwer.wer(long_ref, _norm(texts[1])) <= 0.2, texts
     assert texts[2] == ""
+
+
+QUESTIONS = ["what is the capital of france", "tell me a joke about cats", "how far away is the moon from the earth",
+             "please set a timer for ten minutes", "who wrote the novel pride and prejudice",
+             "why is the sky blue", "how many legs does a spider have", "play some relaxing music"]
+
+
+def test_encoder_context_follows_the_audio(model):
+    """Short turns are encoded over their own length + padding (≥ 10 s, whole seconds), not the 30 s window."""
+    assert model.context_positions(16000 * 2) == 500            # 2 s -> the 10 s floor
+    assert model.context_positions(16000 * 12 + 1) == 700       # 12 s + 1 s padding, rounded up to 14 s
+    assert model.context_positions(16000 * 40) == 1500          # never past Whisper's window
+    feats = model.features([np.zeros(16000 * 3, np.float32), np.zeros(16000 * 11, np.float32)])
+    assert feats.shape == (2, 80, 1200)                         # the longest clip decides: 11 s + 1 s
+    assert model.encode(feats).shape == (2, 600, 384)
+    assert model.max_tokens_for(16000 * 3) == 46
+
+
+@pytest.mark.slow
+def test_short_context_is_as_accurate_as_the_full_window(model):
+    """Eight questions (piper and espeak): the short encoder context transcribes them as well as the full 30 s
+    window, and never falls into a repetition loop."""
+    audios = [(piper_speech if i % 2 == 0 else espeak_speech)(q) for i, q in enumerate(QUESTIONS)]
+    audios = [as_turn(a) for a in audios]
+    short = model.transcribe(audios)
+    full_feats = model.features(audios, positions=1500)
+    full = [model.detokenize(t).strip() for t in model.decode_greedy(model.encode(full_feats))]
+    wer_short = np.mean([jiwer.wer(q, _norm(t) or "x") for q, t in zip(QUESTIONS, short)])
+    wer_full = np.mean([jiwer.wer(q, _norm(t) or "x") for q, t in zip(QUESTIONS, full)])
+    assert wer_short <= max(0.15, wer_full + 0.05), (short, full)
+    assert all(len(t.split()) <= 2 * len(q.split()) for q, t in zip(QUESTIONS, short)), short
+
+
+def test_token_cap_stops_a_looping_decoder(model, clips):
+    """With almost no padding tiny.en loops on a question; the per-row cap ends the row at its limit."""
+    enc = model.encode(model.features([clips["piper"]], positions=int(len(clips["piper"]) / 320) + 1))
+    tokens = model.decode_greedy(enc, [12])[0]
+    assert 0 < len(tokens) <= 12
