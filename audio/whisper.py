@@ -3,13 +3,13 @@
 We do not depend on ctranslate2: its ``model.bin`` is a plain list of named arrays, which we read
 ourselves and map onto transformers' ``WhisperForConditionalGeneration`` (fused q/k/v split, k has
 no bias).  The converted weights are cached once as safetensors under ``$RTSERVE_CACHE`` so later
-loads take a fraction of a second.  Decoding is our own batched greedy loop so a caller (the
-``Transcriber`` worker) can stream tokens per row and drop rows whose consumer went away.
+loads take a fraction of a second.  Decoding is our own batched greedy loop (our caches over HF's
+modules) so a caller (the ``Transcriber`` worker) can stream tokens per row and drop rows whose
+consumer went away.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import struct
@@ -230,9 +230,6 @@ class WhisperModel:
         self._suppress = mask
         self._suppress_begin = mask.clone()
         self._suppress_begin[list(suppress_begin)] = True
-        # transformers renamed ``past_key_values`` to ``cache`` during 5.x.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     # ---- loading
     @classmethod
@@ -332,23 +329,20 @@ class WhisperModel:
         ``no_speech_threshold`` end at once with no tokens (silence or noise would otherwise come
         out as "you" or ".").
         """
-        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-
         b = encoded.shape[0]
         tokens: list[list[int]] = [[] for _ in range(b)]
         rows = list(range(b))  # original row index of each live batch row
-        enc = encoded
-        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        inp = torch.tensor([[SOT, NO_TIMESTAMPS]] * b)
         limit = self.model.config.max_target_positions - 2
-        caps = [min(limit, n) for n in (max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * b)]
+        per_row = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * b
+        caps = [min(limit, n) for n in per_row]
+        state = _DecoderState.start(self.model.model.decoder, encoded, 2 + max(caps))
+        inp = torch.tensor([[SOT, NO_TIMESTAMPS]] * b)
         for step in range(max(caps)):
-            out = self.model(encoder_outputs=(enc,), decoder_input_ids=inp, use_cache=True,
-                             **{self._cache_kw: cache})  # the cache is updated in place
-            logits = out.logits[:, -1, :].float()
+            hidden = state.forward(inp)
+            logits = self._logits(hidden[:, -1])
             silent = [False] * len(rows)
-            if step == 0 and no_speech_threshold is not None:
-                p_none = out.logits[:, 0, :].float().softmax(-1)[:, NO_SPEECH]
+            if step == 0 and no_speech_threshold is not None:  # <|nocaptions|> right after SOT
+                p_none = self._logits(hidden[:, 0]).softmax(-1)[:, NO_SPEECH]
                 silent = (p_none > no_speech_threshold).tolist()
             logits.masked_fill_(self._suppress_begin if step == 0 else self._suppress, float("-inf"))
             nxt = logits.argmax(-1).tolist()
@@ -369,13 +363,15 @@ class WhisperModel:
             if not keep:
                 break
             if len(keep) < len(rows):
-                idx = torch.tensor(keep)
-                enc = enc.index_select(0, idx)
-                cache.batch_select_indices(idx)
+                state.keep(torch.tensor(keep))
                 rows = [rows[i] for i in keep]
                 nxt = [nxt[i] for i in keep]
             inp = torch.tensor(nxt).unsqueeze(1)
         return tokens
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the given positions only (HF's head would project every position of the step)."""
+        return torch.nn.functional.linear(hidden, self.model.proj_out.weight).float()
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
@@ -385,6 +381,66 @@ class WhisperModel:
         enc = self.encode(self.features(audios))
         caps = [self.max_tokens_for(min(len(a), WINDOW_SAMPLES)) for a in audios]
         return [self.detokenize(t).strip() for t in self.decode_greedy(enc, caps)]
+
+
+@dataclass(slots=True)
+class _DecoderState:
+    """Whisper's decoder run over HF's modules with our own caches: the cross-attention keys/values are projected
+    once from the encoder output, and the self-attention cache is one preallocated tensor per layer, so a step is
+    ~15 plain ops per layer instead of transformers' generic cache machinery (this loop is the transcript's
+    critical path at batch 1)."""
+
+    decoder: object
+    cross: list            # per layer (k, v): [B, heads, positions, head_dim]
+    self_k: torch.Tensor   # [layers, B, heads, max_len, head_dim]
+    self_v: torch.Tensor
+    length: int = 0        # tokens in the self-attention cache
+
+    @classmethod
+    def start(cls, decoder, encoded: torch.Tensor, max_len: int) -> "_DecoderState":
+        b, n = encoded.shape[:2]
+        attn = decoder.layers[0].self_attn
+        heads, hd = attn.num_heads, attn.head_dim
+
+        def split(x: torch.Tensor) -> torch.Tensor:
+            return x.view(b, -1, heads, hd).transpose(1, 2)
+        cross = [(split(layer.encoder_attn.k_proj(encoded)).contiguous(),
+                  split(layer.encoder_attn.v_proj(encoded)).contiguous()) for layer in decoder.layers]
+        shape = (len(decoder.layers), b, heads, max_len, hd)
+        return cls(decoder, cross, torch.empty(shape, dtype=encoded.dtype), torch.empty(shape, dtype=encoded.dtype))
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Keep only these batch rows."""
+        self.cross = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.cross]
+        self.self_k = self.self_k.index_select(1, idx)
+        self.self_v = self.self_v.index_select(1, idx)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the final norm for ``ids`` [B, T] appended at the current position."""
+        dec, (b, t), p0 = self.decoder, ids.shape, self.length
+        x = dec.embed_tokens(ids) + dec.embed_positions.weight[p0:p0 + t]
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        for i, layer in enumerate(dec.layers):
+            a = layer.self_attn
+            heads, hd = a.num_heads, a.head_dim
+
+            def split(y: torch.Tensor) -> torch.Tensor:
+                return y.view(b, t, heads, hd).transpose(1, 2)
+            h = layer.self_attn_layer_norm(x)
+            q = split(a.q_proj(h) * a.scaling)
+            self.self_k[i, :, :, p0:p0 + t] = split(a.k_proj(h))
+            self.self_v[i, :, :, p0:p0 + t] = split(a.v_proj(h))
+            o = sdpa(q, self.self_k[i, :, :, :p0 + t], self.self_v[i, :, :, :p0 + t], is_causal=t > 1, scale=1.0)
+            x = x + a.out_proj(o.transpose(1, 2).reshape(b, t, heads * hd))
+            c = layer.encoder_attn
+            h = layer.encoder_attn_layer_norm(x)
+            ck, cv = self.cross[i]
+            o = sdpa(split(c.q_proj(h) * c.scaling), ck, cv, scale=1.0)
+            x = x + c.out_proj(o.transpose(1, 2).reshape(b, t, heads * hd))
+            h = layer.final_layer_norm(x)
+            x = x + layer.fc2(layer.activation_fn(layer.fc1(h)))
+        self.length = p0 + t
+        return dec.layer_norm(x)
 
 
 _shared: WhisperModel | None = None

@@ -210,3 +210,18 @@ def test_token_cap_stops_a_looping_decoder(model, clips):
     enc = model.encode(model.features([clips["piper"]], positions=int(len(clips["piper"]) / 320) + 1))
     tokens = model.decode_greedy(enc, [12])[0]
     assert 0 < len(tokens) <= 12
+
+
+def test_decoder_loop_matches_transformers(clips):
+    """Our cached decoder loop picks, at every step, the token HF's own uncached forward ranks first (fp32)."""
+    from audio.whisper import NO_TIMESTAMPS, SOT
+    exact = WhisperModel.load(dtype=torch.float32)
+    enc = exact.encode(exact.features([clips["piper"], clips["espeak"]]))
+    for row, toks in enumerate(exact.decode_greedy(enc)):
+        assert toks
+        with torch.inference_mode():
+            ids = torch.tensor([[SOT, NO_TIMESTAMPS] + toks])
+            ref = exact.model(encoder_outputs=(enc[row:row + 1],), decoder_input_ids=ids).logits[0].float()
+        for j, tok in enumerate(toks):
+            mask = exact._suppress_begin if j == 0 else exact._suppress
+            assert ref[1 + j].masked_fill(mask, float("-inf")).argmax().item() == tok
