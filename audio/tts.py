@@ -13,6 +13,7 @@ either way.  Phonemization (espeak-ng) is serialized by piper's own lock.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from .resample import resample
 
 VOICE_RATE = 22_050
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
-TTS_THREADS = 2  # synthesis threads of a TTSWorker (one voice instance and one ONNX thread each)
+TTS_THREADS = int(os.environ.get("RTSERVE_TTS_THREADS", "2"))  # synthesis threads (one voice + one ONNX thread each)
 
 
 class TTSError(RuntimeError):
