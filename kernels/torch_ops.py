@@ -83,7 +83,7 @@ def _plan(cu_seqlens_q, seq_lens, block_tables, block_size: int) -> _Plan:
         if n > 1:
             ctx = lens[i]
             blocks = block_tables[i, :-(-ctx // block_size)].long()
-            if ctx == n:          # no cached context: plain causal, which SDPA runs as flash attention
+            if ctx == n:          # no cached context: plain causal
                 pmask = None
             else:                 # query j sits at position ctx - n + j and sees keys at positions <= that
                 qpos = torch.arange(ctx - n, ctx, device=dev).unsqueeze(1)
@@ -117,10 +117,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask, scale=scale)
         out[g.tokens] = o.reshape(nd, num_heads, head_dim)
     for start, n, ctx, blocks, mask in plan.prefills:
-        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(q.dtype).transpose(0, 1)   # [kvh, ctx, d]
-        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(q.dtype).transpose(0, 1)
-        qi = q[start:start + n].transpose(0, 1)                                               # [h, n, d]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                           enable_gqa=group > 1)
-        out[start:start + n] = o.transpose(0, 1)
+        k = _heads(k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(q.dtype), group)   # [1, h, ctx, d]
+        v = _heads(v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(q.dtype), group)
+        qi = q[start:start + n].transpose(0, 1).unsqueeze(0)                                # [1, h, n, d]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+        out[start:start + n] = o[0].transpose(0, 1)
     return out
+
+
+def _heads(kv: torch.Tensor, group: int) -> torch.Tensor:
+    """[ctx, kvh, d] -> [1, kvh * group, ctx, d], each KV head repeated for its query heads. CPU SDPA runs its flash
+    kernel only for 4-D inputs without `enable_gqa`; anything else falls back to the math path (4-8x slower on a
+    256-512 token prefill chunk), so the few-MB copy of the repeated heads pays for itself many times."""
+    ctx, kvh, d = kv.shape
+    return kv.permute(1, 0, 2).unsqueeze(1).expand(kvh, group, ctx, d).reshape(1, kvh * group, ctx, d)
