@@ -64,6 +64,10 @@ def parse_item(raw: Any, param: str = "item") -> Item:
         raise p.bad_value(param + ".id", item_id, f"at most {MAX_ITEM_ID_LEN} characters")
     kind = p.check_choice(raw.get("type", "message"), param + ".type",
                           ("message", "function_call", "function_call_output"))
+    if "object" in raw:
+        p.check_choice(raw["object"], param + ".object", ("realtime.item",))
+    if "status" in raw:
+        p.check_choice(raw["status"], param + ".status", ("completed", "incomplete", "in_progress"))
     if kind == "function_call":
         return Item(item_id, kind, call_id=p.get_str(raw, "call_id", param + ".call_id") or p.new_id("call"),
                     name=p.get_str(raw, "name", param + ".name", required=True),
@@ -184,7 +188,9 @@ def to_messages(items: list[Item], instructions: str) -> list[dict]:
                              "content": f'{{"function_call": "{item.name}", "arguments": {item.arguments or "{}"}}}'})
         else:
             messages.append({"role": "user", "content": f"Function result ({item.call_id}): {item.output}"})
-    return messages
+    # response.create before any item and without instructions: chat templates refuse an empty conversation, so the
+    # model answers an empty user turn (it speaks first, as OpenAI's models do)
+    return messages or [{"role": "user", "content": ""}]
 
 
 @dataclass(slots=True)

@@ -18,6 +18,9 @@ BETA = "beta"
 
 # One client frame may carry 15 MiB of audio (base64 grows it by 4/3); anything above this is answered with an error.
 MAX_FRAME_BYTES = 16 * 1024 * 1024 + 4096 * 1024
+# Deepest nesting accepted in a client event: client values are echoed in server events (session.updated, errors) and
+# orjson refuses to serialize past 255 levels, so a deeper value would make every later echo of the session fail.
+MAX_DEPTH = 128
 
 _ALPHABET = string.ascii_letters + string.digits
 
@@ -183,6 +186,9 @@ def parse_frame(data: str | bytes) -> dict:
     eid = event.get("event_id")
     if eid is not None and not isinstance(eid, str):
         raise wrong_type("event_id", "a string", eid)
+    if too_deep(event, MAX_DEPTH):
+        raise ProtocolError(f"The event is nested too deeply (the limit is {MAX_DEPTH} levels).", "invalid_value",
+                            None, event_id=eid)
     etype = event.get("type")
     err = missing("type") if etype is None else None if isinstance(etype, str) else wrong_type("type", "a string",
                                                                                                etype)
@@ -190,6 +196,20 @@ def parse_frame(data: str | bytes) -> dict:
         err.event_id = eid
         raise err
     return event
+
+
+def too_deep(value: Any, limit: int) -> bool:
+    """Whether objects/arrays nest more than `limit` levels (iterative: no recursion on hostile input)."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 def client_event_id(event: Any) -> str | None:

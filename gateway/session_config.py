@@ -98,9 +98,11 @@ def _apply_ga(s: dict, u: dict) -> None:
         if (aout := p.get_dict(audio, "output", "session.audio.output")) is not None:
             _apply_audio_output(s["audio"]["output"], aout, "session.audio.output")
     _apply_common(s, u)
-    for key in ("truncation", "include", "prompt", "reasoning", "parallel_tool_calls"):
+    if "truncation" in u:
+        s["truncation"] = check_truncation(u["truncation"], "session.truncation")
+    for key in ("prompt", "reasoning", "parallel_tool_calls"):
         if key in u:
-            s[key] = u[key]
+            s[key] = _OPTIONAL_CHECKS[key](u[key], "session." + key)
 
 
 def _apply_beta(s: dict, u: dict) -> None:
@@ -130,11 +132,11 @@ def _apply_beta(s: dict, u: dict) -> None:
     _apply_audio_input(ain, mapped_in, "session")
     _apply_audio_output(aout, {k: u[k] for k in ("voice", "speed") if k in u}, "session")
     _apply_common(s, u)
-    if "include" in u:
-        s["include"] = u["include"]
 
 
 def _apply_common(s: dict, u: dict) -> None:
+    if "include" in u:
+        s["include"] = check_include(u["include"], "session.include")
     if (tools := p.get_list(u, "tools", "session.tools")) is not None:
         s["tools"] = check_tools(tools, "session.tools")
     if "tool_choice" in u:
@@ -143,6 +145,10 @@ def _apply_common(s: dict, u: dict) -> None:
         tracing = u["tracing"]
         if tracing is not None and tracing != "auto" and not isinstance(tracing, dict):
             raise p.bad_value("session.tracing", tracing, '"auto", an object or null')
+        if isinstance(tracing, dict):
+            p.check_known(tracing, {"workflow_name", "group_id", "metadata"}, "session.tracing")
+            for key in ("workflow_name", "group_id"):
+                p.get_str(tracing, key, f"session.tracing.{key}")
         s["tracing"] = tracing
 
 
@@ -157,11 +163,14 @@ def _apply_audio_input(ain: dict, u: dict, prefix: str) -> None:
     if "transcription" in u:
         tr = p.get_dict(u, "transcription", name("transcription"), nullable=True)
         if tr is not None:
+            p.check_known(tr, {"model", "language", "prompt"}, name("transcription"))
             for key in ("model", "language", "prompt"):
                 p.get_str(tr, key, f"{name('transcription')}.{key}", nullable=True)
         ain["transcription"] = tr
     if "noise_reduction" in u:
         nr = p.get_dict(u, "noise_reduction", name("noise_reduction"), nullable=True)
+        if nr is not None:
+            p.check_known(nr, {"type"}, name("noise_reduction"))
         if nr is not None and "type" in nr:
             p.check_choice(nr["type"], name("noise_reduction") + ".type", ("near_field", "far_field"))
         ain["noise_reduction"] = nr
@@ -177,6 +186,7 @@ def _apply_audio_output(aout: dict, u: dict, prefix: str) -> None:
     if "voice" in u:
         voice = u["voice"]
         if isinstance(voice, dict):
+            p.check_known(voice, {"id"}, prefix + ".voice")
             p.get_str(voice, "id", prefix + ".voice.id", required=True)
         elif not isinstance(voice, str):
             raise p.wrong_type(prefix + ".voice", "a string", voice)
@@ -236,9 +246,72 @@ def check_tool_choice(value: Any, param: str) -> str | dict:
     if isinstance(value, str):
         return p.check_choice(value, param, ("none", "auto", "required"))
     if isinstance(value, dict):
-        p.check_choice(value.get("type"), param + ".type", ("function", "mcp"))
+        kind = p.check_choice(value.get("type"), param + ".type", ("function", "mcp"))
+        if kind == "function":
+            p.check_known(value, {"type", "name"}, param)
+            p.get_str(value, "name", param + ".name", required=True)
+        else:
+            p.check_known(value, {"type", "server_label", "name"}, param)
+            p.get_str(value, "server_label", param + ".server_label", required=True)
+            p.get_str(value, "name", param + ".name", nullable=True)
         return value
     raise p.wrong_type(param, "a string or an object", value)
+
+
+def check_truncation(value: Any, param: str) -> str | dict:
+    """`"auto"`, `"disabled"` or `{type: "retention_ratio", retention_ratio, token_limits?}`."""
+    if isinstance(value, str):
+        return p.check_choice(value, param, ("auto", "disabled"))
+    if not isinstance(value, dict):
+        raise p.wrong_type(param, "a string or an object", value)
+    p.check_known(value, {"type", "retention_ratio", "token_limits"}, param)
+    p.check_choice(value.get("type"), param + ".type", ("retention_ratio",))
+    if p.get_number(value, "retention_ratio", param + ".retention_ratio", lo=0.0, hi=1.0) is None:
+        raise p.missing(param + ".retention_ratio")
+    if (limits := p.get_dict(value, "token_limits", param + ".token_limits")) is not None:
+        p.check_known(limits, {"post_instructions"}, param + ".token_limits")
+        p.get_int(limits, "post_instructions", param + ".token_limits.post_instructions", lo=0)
+    return value
+
+
+def check_include(value: Any, param: str) -> list | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise p.wrong_type(param, "an array or null", value)
+    for i, entry in enumerate(value):
+        p.check_choice(entry, f"{param}[{i}]", ("item.input_audio_transcription.logprobs",))
+    return value
+
+
+def check_prompt(value: Any, param: str) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise p.wrong_type(param, "an object or null", value)
+    p.check_known(value, {"id", "variables", "version"}, param)
+    p.get_str(value, "id", param + ".id", required=True)
+    p.get_dict(value, "variables", param + ".variables", nullable=True)
+    p.get_str(value, "version", param + ".version", nullable=True)
+    return value
+
+
+def check_reasoning(value: Any, param: str) -> dict:
+    if not isinstance(value, dict):
+        raise p.wrong_type(param, "an object", value)
+    p.check_known(value, {"effort"}, param)
+    if "effort" in value:
+        p.check_choice(value["effort"], param + ".effort", ("minimal", "low", "medium", "high", "xhigh"))
+    return value
+
+
+def check_bool(value: Any, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise p.wrong_type(param, "a boolean", value)
+    return value
+
+
+_OPTIONAL_CHECKS = {"prompt": check_prompt, "reasoning": check_reasoning, "parallel_tool_calls": check_bool}
 
 
 # -------------------------------------------------------------------------------------------- response.create
@@ -302,6 +375,9 @@ def response_params(session: dict, raw: Any, dialect: str) -> ResponseParams:
         params.tools = check_tools(tools, "response.tools")
     if "tool_choice" in raw:
         check_tool_choice(raw["tool_choice"], "response.tool_choice")
+    for key in ("prompt", "reasoning", "parallel_tool_calls"):
+        if key in raw:
+            _OPTIONAL_CHECKS[key](raw[key], "response." + key)
     if (conv := p.get_str(raw, "conversation", "response.conversation", nullable=True)) is not None:
         params.conversation = p.check_choice(conv, "response.conversation", ("auto", "none"))
     params.input = p.get_list(raw, "input", "response.input", nullable=True)
