@@ -420,12 +420,12 @@ class _DecoderState:
         dec, (b, t), p0 = self.decoder, ids.shape, self.length
         x = dec.embed_tokens(ids) + dec.embed_positions.weight[p0:p0 + t]
         sdpa = torch.nn.functional.scaled_dot_product_attention
+        heads, hd = dec.layers[0].self_attn.num_heads, dec.layers[0].self_attn.head_dim
+
+        def split(y: torch.Tensor) -> torch.Tensor:
+            return y.view(b, t, heads, hd).transpose(1, 2)
         for i, layer in enumerate(dec.layers):
             a = layer.self_attn
-            heads, hd = a.num_heads, a.head_dim
-
-            def split(y: torch.Tensor) -> torch.Tensor:
-                return y.view(b, t, heads, hd).transpose(1, 2)
             h = layer.self_attn_layer_norm(x)
             q = split(a.q_proj(h) * a.scaling)
             self.self_k[i, :, :, p0:p0 + t] = split(a.k_proj(h))
