@@ -107,12 +107,18 @@ class RealtimeSession:
         self.audio = audio
         self.tts = (lambda session, resp: AudioOutput(session, resp, audio)) if audio is not None else None
         self._voice: VoiceInput | None = None  # created on the first audio input (loads nothing before)
-        self.transcribe_only = hs.intent == "transcription"
+        self._intent_transcription = hs.intent == "transcription"
         self._last_turn: tuple[str, Rendered, list[int]] | None = None  # (item id, prompt, output ids)
         self.closed = asyncio.Event()
         self.close_reason: str | None = None
         self._queue: asyncio.Queue[str | None] = asyncio.Queue(self.limits.send_queue_max)
         self._stop_ids = _stop_token_ids(engine.tokenizer)
+
+    @property
+    def transcribe_only(self) -> bool:
+        """A transcription session (`?intent=transcription`, or GA `session.type: "transcription"`): committed audio
+        is transcribed and no response is ever created."""
+        return self._intent_transcription or self.config["type"] == "transcription"
 
     # ------------------------------------------------------------------------------------------- lifecycle
     async def run(self) -> None:
@@ -266,8 +272,9 @@ class RealtimeSession:
                                   "Wait until the response is finished before creating a new one.",
                                   "conversation_already_has_active_response", None)
         if self.transcribe_only:
-            raise p.ProtocolError("This is a transcription session (intent=transcription): it transcribes input "
-                                  "audio and creates no responses.", "invalid_request", "type")
+            raise p.ProtocolError("This is a transcription session (intent=transcription or session.type "
+                                  "\"transcription\"): it transcribes input audio and creates no responses.",
+                                  "invalid_request", "type")
         self.start_response(event.get("response"))
 
     def start_response(self, raw: dict | None) -> ActiveResponse:

@@ -81,8 +81,8 @@ def apply_update(session: dict, update: Any, dialect: str) -> dict:
 
 def _apply_ga(s: dict, u: dict) -> None:
     p.check_known(u, _GA_FIELDS | _READ_ONLY, "session")
-    if "type" in u:
-        p.check_choice(u["type"], "session.type", ("realtime",))
+    if "type" in u:  # "transcription": the GA way to make this a transcription-only session
+        s["type"] = p.check_choice(u["type"], "session.type", ("realtime", "transcription"))
     if (model := p.get_str(u, "model", "session.model")) is not None:
         s["model"] = model
     if (mods := p.get_list(u, "output_modalities", "session.output_modalities")) is not None:

@@ -121,6 +121,26 @@ async def test_transcription_only_session(server):
     await raw.ws.close()
 
 
+async def test_ga_transcription_session_type(server):
+    """GA's other way to ask for transcription only: `session.type: "transcription"` on a plain connection. The
+    session.updated object is the SDK's transcription-session variant; setting "realtime" again brings responses back."""
+    raw = await open_voice(server, {"type": "transcription", "audio": {"input": {
+        "transcription": {"model": "whisper-1"}, "turn_detection": {"type": "server_vad"}}}})
+    assert raw.events[-1]["session"]["type"] == "transcription"
+    pcm, on, off = utterance(QUESTION, PCM16)
+    await raw.stream(pcm, PCM16)
+    events = await raw.until("conversation.item.input_audio_transcription.completed")
+    check_turn(events, on, off)
+    await expect_error(raw, {"type": "response.create"}, "invalid_request", "type")
+    assert not any(e["type"].startswith("response.") for e in raw.events)
+    await raw.send({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"],
+                                                          "max_output_tokens": 8}})
+    assert (await raw.until("session.updated"))[-1]["session"]["type"] == "realtime"
+    await raw.send({"type": "response.create"})
+    assert (await raw.until("response.done"))[-1]["response"]["status"] in ("completed", "incomplete")
+    await raw.ws.close()
+
+
 async def test_idle_timeout_triggers_a_turn(server):
     turn = {"type": "server_vad", "idle_timeout_ms": 1500}
     raw = await open_voice(server, {**VOICE_SESSION, "output_modalities": ["text"],
