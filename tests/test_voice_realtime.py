@@ -120,9 +120,11 @@ def response_audio(events: list[dict], fmt: AudioFormat, beta: bool = False) -> 
 
 def check_plausible_speech(audio: np.ndarray, transcript: str, fmt: AudioFormat) -> None:
     """Audio of roughly the right length for its transcript, and not silence. The length is counted in spoken
-    units: words, and every digit on its own (the voice may read "10077.3115" digit by digit)."""
-    seconds, units = len(audio) / fmt.rate, len(re.findall(r"[^\W\d_]+|\d", transcript))
-    assert units >= 1 and 0.12 * units <= seconds <= 1.5 * units + 1.0, (seconds, transcript)
+    units: words, and numbers at least one unit each ("10,000,000" may be "ten million") and at most one per digit
+    (the voice may read "10077.3115" digit by digit)."""
+    seconds = len(audio) / fmt.rate
+    fewest, most = (len(re.findall(words, transcript)) for words in (r"[^\W\d_]+|\d+", r"[^\W\d_]+|\d"))
+    assert fewest >= 1 and 0.12 * fewest <= seconds <= 1.5 * most + 1.0, (seconds, transcript)
     assert np.abs(audio.astype(np.float32)).max() > 1000
 
 
