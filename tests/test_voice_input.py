@@ -109,15 +109,20 @@ async def test_bad_audio_input_errors_and_session_goes_on(server):
     await raw.ws.close()
 
 
-async def test_transcription_only_session(server):
-    raw = await open_voice(server, {"type": "realtime", "audio": {"input": {"turn_detection": {
-        "type": "semantic_vad", "eagerness": "medium"}}}}, query="?intent=transcription")
+async def transcribes_without_responding(raw) -> None:
+    """A spoken turn is transcribed; no response starts, and response.create is refused."""
     pcm, on, off = utterance(QUESTION, PCM16)
     await raw.stream(pcm, PCM16)
     events = await raw.until("conversation.item.input_audio_transcription.completed")
     check_turn(events, on, off)
     await expect_error(raw, {"type": "response.create"}, "invalid_request", "type")
     assert not any(e["type"].startswith("response.") for e in raw.events)
+
+
+async def test_transcription_only_session(server):
+    raw = await open_voice(server, {"type": "realtime", "audio": {"input": {"turn_detection": {
+        "type": "semantic_vad", "eagerness": "medium"}}}}, query="?intent=transcription")
+    await transcribes_without_responding(raw)
     await raw.ws.close()
 
 
@@ -127,12 +132,7 @@ async def test_ga_transcription_session_type(server):
     raw = await open_voice(server, {"type": "transcription", "audio": {"input": {
         "transcription": {"model": "whisper-1"}, "turn_detection": {"type": "server_vad"}}}})
     assert raw.events[-1]["session"]["type"] == "transcription"
-    pcm, on, off = utterance(QUESTION, PCM16)
-    await raw.stream(pcm, PCM16)
-    events = await raw.until("conversation.item.input_audio_transcription.completed")
-    check_turn(events, on, off)
-    await expect_error(raw, {"type": "response.create"}, "invalid_request", "type")
-    assert not any(e["type"].startswith("response.") for e in raw.events)
+    await transcribes_without_responding(raw)
     await raw.send({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"],
                                                           "max_output_tokens": 8}})
     assert (await raw.until("session.updated"))[-1]["session"]["type"] == "realtime"
