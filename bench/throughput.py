@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--skip-hf", action="store_true", help="only measure the engine")
+    ap.add_argument("--no-gguf-row", action="store_true",
+                    help="skip the extra bf16 row with quantization=gguf (batches <= 8 rows on the GGUF's 4-bit blocks)")
     args = ap.parse_args(argv)
 
     from engine.models.loader import resolve_model_dir
@@ -118,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{dtype}] HF sequential: {seq['tok_s']:.1f} tok/s ({seq['elapsed']:.1f} s)", flush=True)
             del model
         rows.append((dtype, eng, seq, stat))
+        if dtype == "bfloat16" and not args.no_gguf_row:   # same HF baselines: HF can only run the dequantized weights
+            eng = bench_engine(prompts, outputs, dtype, {**engine_args, "quantization": "gguf"})
+            print(f"[bfloat16 + gguf q4] rtserve: {eng['tok_s']:.1f} tok/s ({eng['elapsed']:.1f} s, {eng['steps']} steps, "
+                  f"kv waste {eng['kv_waste']:.2%})", flush=True)
+            rows.append(("bfloat16 + gguf q4", eng, seq, stat))
 
     print("\n| dtype | rtserve tok/s | HF sequential tok/s | HF static-8 tok/s | vs sequential | vs static-8 | "
           "KV waste at peak |")

@@ -20,6 +20,9 @@ def parse_size(value: int | float | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+QUANTIZATIONS = (None, "gguf")
+
+
 @dataclass(slots=True)
 class EngineArgs:
     model: str | None = None
@@ -34,12 +37,16 @@ class EngineArgs:
     attention_backend: str | None = None
     device: str = "cpu"
     num_threads: int | None = None
+    quantization: str | None = None     # "gguf": small batches run on the GGUF file's own Q4_1 blocks (engine/models/gguf_q4.py)
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", param=name)
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+                                      param="quantization")
         if not 0.0 <= self.pinned_blocks_fraction <= 1.0:
             raise InvalidRequestError("pinned_blocks_fraction must be in [0, 1]", param="pinned_blocks_fraction")
 

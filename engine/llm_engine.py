@@ -18,7 +18,7 @@ from engine.config import EngineArgs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.model_runner import ModelRunner
-from engine.models.loader import resolve_model_dir
+from engine.models.loader import gguf_source, resolve_model_dir
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -63,7 +63,9 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(args.model)
         self.model_name = args.model or "SmolLM2-135M-Instruct"
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.runner = ModelRunner(self.model_dir, args.dtype, args.device, args.block_size, args.kv_cache_memory)
+        q4_gguf = gguf_source(args.model) if args.quantization == "gguf" else None
+        self.runner = ModelRunner(self.model_dir, args.dtype, args.device, args.block_size, args.kv_cache_memory,
+                                  q4_gguf)
         cfg = self.runner.config
         self.max_model_len = min(args.max_model_len or cfg.get("max_position_embeddings", 2048),
                                  cfg.get("max_position_embeddings", 1 << 30))

@@ -14,9 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from engine.errors import ModelLoadError
+from engine.models.gguf_q4 import attach_gguf_q4
 from engine.models.llama import AttentionMetadata, LlamaForCausalLM, rope_inv_freq
 from engine.models.loader import check_architecture
 from engine.scheduler import ScheduledRequest
+from kernels import cpu_ext
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -40,13 +42,20 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, dtype: str, device: str, block_size: int, kv_cache_memory: int):
+    def __init__(self, model_dir: Path, dtype: str, device: str, block_size: int, kv_cache_memory: int,
+                 q4_gguf: Path | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(DTYPES)}")
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device)
         t0 = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
+        if self.device.type == "cpu":
+            cpu_ext.paged_decode()          # build (first run on a machine, ~15-30 s) or load the C++ op now, not mid-request
+        if q4_gguf is not None:
+            if self.device.type != "cpu":
+                raise ModelLoadError("quantization='gguf' runs on the CPU only (torch's 4-bit kernel for CPU)")
+            attach_gguf_q4(self.model, q4_gguf, model_dir)
         self.load_seconds = time.perf_counter() - t0
         self.config = self.model.config
         self.block_size = block_size
@@ -55,8 +64,10 @@ class ModelRunner:
         self.num_blocks = int(kv_cache_memory // per_block)
         if self.num_blocks < 2:
             raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds fewer than 2 blocks of {per_block} bytes")
-        self.kv_cache = torch.zeros(num_layers, 2, self.num_blocks, block_size, self.model.num_kv_heads,
-                                    self.model.head_dim, dtype=self.dtype, device=self.device)
+        # zero_() writes every page at start-up; torch.zeros would map them lazily and the first requests would take the
+        # page faults (zeros, not garbage: a masked-out NaN would still poison P @ V)
+        self.kv_cache = torch.empty(num_layers, 2, self.num_blocks, block_size, self.model.num_kv_heads,
+                                    self.model.head_dim, dtype=self.dtype, device=self.device).zero_()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:

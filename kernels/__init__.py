@@ -1,5 +1,8 @@
 """Attention and KV-store ops behind one interface: a pure-torch path (CPU) and Triton kernels (GPU).
 
+On the CPU the torch path hands decode rows to a small C++ op (`kernels/csrc/paged_decode.cpp`, built on first use by
+`kernels/cpu_ext.py`) that reads the paged cache in place; without a compiler it falls back to padded SDPA calls.
+
 The backend is chosen once per process: `RTSERVE_ATTENTION_BACKEND=torch|triton` (or `set_backend`) overrides the
 default, which is Triton when the tensors live on CUDA and torch otherwise. See `kernels/torch_ops.py` for the layout.
 """

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ext
+
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
@@ -39,7 +41,9 @@ class _DecodeGroup:
 @dataclass(slots=True)
 class _Plan:
     """Index tensors for one step, shared by every layer (the metadata tensors are the same objects in all layers)."""
-    decodes: list               # _DecodeGroup per bucket of similar context lengths
+    decode_rows: torch.Tensor   # [nd] int64 rows of q that are single-token decodes (for the C++ op)
+    decode_seqs: torch.Tensor   # [nd] int64 their sequence indices
+    decodes: list               # _DecodeGroup per bucket of similar context lengths (pure-torch path only)
     prefills: list              # (start, n, ctx, block ids, mask [n, ctx] or None = causal) per prefill chunk
 
 
@@ -56,8 +60,8 @@ def _split_by_length(lens: list[int]) -> list[int]:
     return best[-1][1]
 
 
-def _plan(cu_seqlens_q, seq_lens, block_tables, block_size: int) -> _Plan:
-    key = (cu_seqlens_q, seq_lens, block_tables, block_size)
+def _plan(cu_seqlens_q, seq_lens, block_tables, block_size: int, grouped: bool) -> _Plan:
+    key = (cu_seqlens_q, seq_lens, block_tables, block_size, grouped)
     cached_key, plan = _last_plan
     if cached_key is not None and all(a is b for a, b in zip(cached_key, key)):
         return plan
@@ -68,7 +72,7 @@ def _plan(cu_seqlens_q, seq_lens, block_tables, block_size: int) -> _Plan:
     decode = sorted((i for i, n in enumerate(q_lens) if n == 1), key=lambda i: lens[i])
     groups = []
     start = 0
-    for end in (_split_by_length([lens[i] for i in decode]) if decode else []):
+    for end in (_split_by_length([lens[i] for i in decode]) if decode and grouped else []):
         idx = decode[start:end]
         start = end
         nb = -(-lens[idx[-1]] // block_size)
@@ -89,7 +93,8 @@ def _plan(cu_seqlens_q, seq_lens, block_tables, block_size: int) -> _Plan:
                 qpos = torch.arange(ctx - n, ctx, device=dev).unsqueeze(1)
                 pmask = torch.arange(ctx, device=dev).unsqueeze(0) <= qpos
             prefills.append((cu[i], n, ctx, blocks, pmask))
-    plan = _Plan(groups, prefills)
+    plan = _Plan(torch.tensor([cu[i] for i in decode], dtype=torch.long, device=dev),
+                 torch.tensor(decode, dtype=torch.long, device=dev), groups, prefills)
     _last_plan[:] = [key, plan]
     return plan
 
@@ -99,7 +104,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks + decodes) over the paged KV cache.
 
-    Decodes (one query token) are batched into padded SDPA calls, bucketed by context length; prefill chunks run one SDPA call each, since a
+    Decodes (one query token) go to the C++ op in `kernels/csrc/` when it is built (one call, reading the cache in place);
+    otherwise they are batched into padded SDPA calls, bucketed by context length. Prefill chunks run one SDPA call each, since a
     padded batch of a 256-token chunk next to 1-token decodes would waste most of its work. Blocks are gathered with
     `index_select` (several times faster than advanced indexing on CPU), and the index plan is built once per step.
     """
@@ -108,7 +114,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
-    plan = _plan(cu_seqlens_q, seq_lens, block_tables, block_size)
+    op = cpu_ext.paged_decode() if q.device.type == "cpu" else None
+    plan = _plan(cu_seqlens_q, seq_lens, block_tables, block_size, grouped=op is None)
+    if op is not None and plan.decode_rows.numel():   # all decodes in one C++ call, straight from the block tables
+        op(q, k_cache, v_cache, block_tables, seq_lens, plan.decode_rows, plan.decode_seqs, scale, out)
     for g in plan.decodes:
         nd = g.tokens.numel()
         k = k_cache.index_select(0, g.blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)

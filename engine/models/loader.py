@@ -48,6 +48,14 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     return convert_gguf(path)
 
 
+def gguf_source(model: str | os.PathLike | None) -> Path:
+    """The .gguf file behind `model` (for quantization='gguf'); a typed error when the model is not one."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        raise ModelLoadError(f"quantization='gguf' needs a .gguf model file, got {path}")
+    return path
+
+
 def check_architecture(model_dir: Path) -> dict:
     config = json.loads((model_dir / "config.json").read_text())
     archs = set(config.get("architectures") or [])

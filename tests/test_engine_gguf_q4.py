@@ -1,0 +1,67 @@
+"""`quantization="gguf"`: small batches run on the GGUF file's own Q4_1 / Q8_0 blocks (engine/models/gguf_q4.py).
+
+The 4-bit planes must be the file's weights (checked layer by layer against the dense weights the model loads), decode steps
+on them must stay as close to HF transformers' bf16 as our dense bf16 path is, and a model the path cannot serve must fail
+with a typed error."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.model_runner import load_model
+from engine.models import gguf_q4
+from engine.models.gguf_q4 import Q4Linear, attach_gguf_q4
+from engine.models.loader import default_model_path, resolve_model_dir
+from test_engine_hf import PROMPTS
+
+
+def test_every_quantized_layer_is_the_files_weight():
+    model = load_model(resolve_model_dir(None), torch.bfloat16, torch.device("cpu"))
+    swapped = attach_gguf_q4(model, default_model_path(), resolve_model_dir(None))
+    layers = [m for m in model.modules() if isinstance(m, Q4Linear)]
+    assert swapped == len(layers) == 4 * len(model.layers) + 1          # every linear layer and the Q8_0 lm_head
+    for lin in layers:
+        w = lin.weight.float()
+        err = (lin.dequantized().float() - w).abs()
+        # the dense weight is bf16(d * q + m); the planes use bf16 scales: both within ~2 bf16 steps of the file's value
+        assert err.max().item() <= 2 ** -6 * w.abs().max().item(), err.max().item()
+        assert err.mean().item() < 1e-3
+
+
+def test_small_batches_use_the_4bit_kernel_and_large_ones_the_dense_weight():
+    model = load_model(resolve_model_dir(None), torch.bfloat16, torch.device("cpu"))
+    attach_gguf_q4(model, default_model_path(), resolve_model_dir(None))
+    lin = model.layers[3].mlp.gate_up_proj
+    for rows in (1, gguf_q4.MAX_ROWS, gguf_q4.MAX_ROWS + 1, 64):
+        x = torch.randn(rows, lin.weight.shape[1], dtype=torch.bfloat16)
+        dense = torch.nn.functional.linear(x, lin.weight)
+        y = lin(x)
+        if rows > gguf_q4.MAX_ROWS:
+            assert torch.equal(y, dense)                                   # prefill / big batches: dense bf16
+        else:
+            assert not torch.equal(y, dense)                               # a different kernel ran ...
+            assert (y.float() - dense.float()).abs().max() < 0.05 * dense.float().abs().max()   # ... on the same weights
+
+
+def test_decode_logprobs_close_to_hf_bf16():
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=torch.bfloat16).eval()
+    llm = LLM(kv_cache_memory="64MiB", dtype="bfloat16", quantization="gguf")
+    for prompt in PROMPTS[:3]:
+        ids = llm.tokenizer(prompt, add_special_tokens=False).input_ids
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, logprobs=5))[0]
+        with torch.inference_mode():       # HF's next-token distribution at every position we decoded
+            ref = hf(torch.tensor([ids + out.token_ids[:-1]])).logits[0, len(ids) - 1:].float().log_softmax(-1)
+        for step, (_, top) in enumerate(out.logprobs):   # steps after the first are batch-1 decodes on the 4-bit path
+            chosen = top[0][0]
+            assert float(ref[step].max() - ref[step, chosen]) < 0.1, (prompt, step)   # greedy pick is HF's (or a tie)
+            for tok, lp in top:
+                assert abs(lp - float(ref[step, tok])) < 0.35, (prompt, step, tok)    # as close as dense bf16 is
+    assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks
+
+
+def test_bad_quantization_requests_fail_clearly(tmp_path):
+    with pytest.raises(InvalidRequestError, match="quantization"):
+        LLM(dtype="bfloat16", quantization="int3")
+    with pytest.raises(ModelLoadError, match=r"\.gguf"):     # a HF directory has no GGUF blocks to run on
+        LLM(model=str(resolve_model_dir(None)), dtype="bfloat16", quantization="gguf")
