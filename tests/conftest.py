@@ -1,4 +1,4 @@
-"""Shared fixtures: one real server (real engine, default model) for the whole test session.
+"""Shared fixtures: one real server (real engine, default model, the server's bf16 + gguf configuration) for the whole test session.
 
 `server` runs uvicorn in a background thread on a free port with the product app (`gateway.app.create_app`) around one
 shared AsyncEngine. The same app is also mounted under `/auth` with an API key configured (same engine), for tests of
@@ -87,7 +87,8 @@ def server():
     from gateway.app import WS_MAX_SIZE, Settings, create_app
     from gateway.session import SessionLimits
 
-    engine = AsyncEngine(kv_cache_memory="512MiB", max_num_seqs=64)
+    # the server's production configuration (`rtserve serve` defaults): bf16 on the embedded GGUF's own 4-bit blocks
+    engine = AsyncEngine(kv_cache_memory="512MiB", max_num_seqs=64, dtype="bfloat16", quantization="gguf")
     open_app = create_app(Settings(), engine=engine)
     keyed_app = create_app(Settings(api_key=API_KEY), engine=engine)
     tight_app = create_app(Settings(limits=SessionLimits(send_queue_max=16, send_timeout_s=5)), engine=engine)
