@@ -1,4 +1,5 @@
-"""Shared fixtures: one real server (real engine, default model, the server's bf16 + gguf configuration) for the whole test session.
+"""Shared fixtures: one real server (real engine, default model, in the server's bf16 + gguf configuration) for the whole
+test session.
 
 `server` runs uvicorn in a background thread on a free port with the product app (`gateway.app.create_app`) around one
 shared AsyncEngine. The same app is also mounted under `/auth` with an API key configured (same engine), for tests of
