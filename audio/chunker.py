@@ -1,7 +1,8 @@
 """``SentenceChunker``: streaming LLM text deltas → speakable pieces for TTS.
 
-The first piece is cut early, at a clause boundary once it has a few words, so the first audio
-does not wait for a whole sentence; later pieces end at sentence boundaries (synthesis of a full
+The first piece is cut early, at a clause boundary once it has a few words (or, with
+``first_max_words``, at a word boundary after that many words when no punctuation came), so the first
+audio does not wait for a whole sentence; later pieces end at sentence boundaries (synthesis of a full
 sentence sounds better and the audio already playing hides the wait).  A boundary is only taken
 once the character after it has arrived, so "3.14", "e.g." or "Dr. Smith" are not split.
 """
@@ -13,6 +14,9 @@ from dataclasses import dataclass, field
 
 _SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*(?=\s)|\n+")
 _CLAUSE_END = re.compile(r"[,;:—–]+(?=\s)|\s+-\s+")
+# a first piece cut at a word boundary does not end on a word that leans on the next one
+_LEANING = {"a", "an", "the", "of", "to", "in", "on", "at", "by", "for", "from", "with", "and", "or", "but", "as",
+            "than", "that", "my", "your", "his", "her", "its", "our", "their", "this", "these", "those", "very", "not"}
 _ABBREV = {"mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "vs", "etc", "e.g", "i.e", "no", "fig", "approx"}
 
 
@@ -25,6 +29,7 @@ class SentenceChunker:
     """Feed deltas with ``push``; get pieces back; ``flush`` at the end of the response."""
 
     first_min_words: int = 4
+    first_max_words: int | None = None  # cut the first piece at a word boundary after this many words if no clause came
     max_chars: int = 300  # a run-on sentence is cut at a clause (or word) boundary past this
     _buf: str = ""
     _emitted: int = field(default=0)  # pieces emitted so far
@@ -53,6 +58,8 @@ class SentenceChunker:
         cut = self._sentence_cut(buf)
         if cut is None and self._emitted == 0:
             cut = self._clause_cut(buf, self.first_min_words)
+            if cut is None and self.first_max_words:
+                cut = self._word_cut(buf, self.first_max_words)
         if cut is None and len(buf) > self.max_chars:
             cut = self._clause_cut(buf[: self.max_chars], 1) or self._space_cut(buf[: self.max_chars])
         if cut is None:
@@ -76,6 +83,17 @@ class SentenceChunker:
         for m in _CLAUSE_END.finditer(buf):
             if _word_count(buf[: m.start()]) >= min_words:
                 return m.end()
+        return None
+
+    @staticmethod
+    def _word_cut(buf: str, n: int) -> int | None:
+        """After the n-th complete word (one followed by whitespace), or the next few words while the last one is a
+        leaning word ("of", "the", ...); None until such a word is complete."""
+        ends = [m.end() for m in re.finditer(r"\S+(?=\s)", buf)]
+        for i in range(n - 1, min(len(ends), n + 3)):
+            word = buf[: ends[i]].split()[-1].lower().strip("\"'()")
+            if word not in _LEANING:
+                return ends[i]
         return None
 
     @staticmethod

@@ -40,6 +40,7 @@ MAX_PENDING_OPS = 4096  # input events queued per session (~80 s of 20 ms append
 MAX_PENDING_CHARS = 48 * 1024 * 1024  # base64 audio queued per session (three maximal appends) before refusals
 AUDIO_DELTA_MS = 200  # one response.output_audio.delta carries at most this much audio
 FIRST_PIECE_MIN_WORDS = 2  # the first spoken piece ends at a clause boundary after this many words, or a sentence
+FIRST_PIECE_MAX_WORDS = 4  # ... or, with no punctuation yet, at a word boundary after this many (first audio sooner)
 SPECULATIVE_PIECES = 2  # pieces of a pregenerated reply synthesized before the turn is known to have ended
 
 
@@ -496,7 +497,7 @@ class Pregen:
         self.error: BaseException | None = None
         self._wake = asyncio.Event()
         self._plan, self._speaking = speech, speech is not None
-        self._chunker = SentenceChunker(first_min_words=FIRST_PIECE_MIN_WORDS) if speech is not None else None
+        self._chunker = _chunker() if speech is not None else None
         self.spoken: list[tuple[str, asyncio.Task]] = []  # (piece, its synthesis) in piece order
         self._task = asyncio.create_task(self._pump(engine.generate(request_id, prompt.ids, sampling, **kwargs)),
                                          name=f"{request_id}-pregen")
@@ -573,6 +574,11 @@ class Pregen:
             self._task.cancel()
 
 
+def _chunker() -> SentenceChunker:
+    """How replies are cut for speech; a pregenerated reply and the response adopting it must cut alike."""
+    return SentenceChunker(first_min_words=FIRST_PIECE_MIN_WORDS, first_max_words=FIRST_PIECE_MAX_WORDS)
+
+
 def _trace(what: str, event: str, detail=None) -> None:
     """Debug timeline of a turn's speculation (`--log-level debug`)."""
     if log.isEnabledFor(logging.DEBUG):
@@ -609,7 +615,7 @@ class AudioOutput:
         self.audio_ms = 0.0
         self.first_audio_at: float | None = None
         self.muted = False
-        self._chunker = SentenceChunker(first_min_words=FIRST_PIECE_MIN_WORDS)
+        self._chunker = _chunker()
         self._prespoken: list[tuple[str, asyncio.Task]] = []  # synthesized during the pause (Pregen.take_speech)
         self._search = 0
         self._pieces: asyncio.Queue = asyncio.Queue()

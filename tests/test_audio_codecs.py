@@ -210,6 +210,24 @@ def test_chunker_cuts_first_clause_then_sentences(step):
     ]
 
 
+@pytest.mark.parametrize("step", [1, 4])
+def test_chunker_first_piece_at_a_word_boundary_when_no_punctuation_comes(step):
+    def chunk(text):
+        c, out = SentenceChunker(first_min_words=2, first_max_words=4), []
+        for i in range(0, len(text), step):
+            out += c.push(text[i : i + step])
+        return out + c.flush()
+
+    assert chunk("The capital of France is Paris. It is lovely.") == ["The capital of France", "is Paris.", "It is lovely."]
+    # never ends on a word that leans on the next one; punctuation inside the limit still wins; later pieces are sentences
+    assert chunk("I think that the answer is 42. Yes it is") == ["I think that the answer", "is 42.", "Yes it is"]
+    assert chunk("Paris, the City of Light, is the capital.") == ["Paris, the City of Light,", "is the capital."]
+    assert chunk("Hi! How are you today my friend?") == ["Hi!", "How are you today my friend?"]
+    assert chunk("Yes") == ["Yes"]
+    whole = SentenceChunker(first_min_words=2, first_max_words=4)   # a sentence that has already arrived stays whole
+    assert whole.push("The capital of France is Paris. It") == ["The capital of France is Paris."]
+
+
 def test_chunker_short_and_empty():
     assert _chunk("Hi! How are you?", 2) == ["Hi!", "How are you?"]
     assert _chunk("", 1) == []
