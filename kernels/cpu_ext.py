@@ -27,8 +27,10 @@ def paged_decode():
         try:
             from torch.utils.cpp_extension import load
 
-            load("rtserve_cpu", sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                 is_python_module=False, verbose=False)
+            # -fopenmp: at::parallel_for is inline OpenMP, one thread without it; the loader then binds the op to the
+            # libgomp.so.1 torch already loaded, so it shares torch's thread pool
+            load("rtserve_cpu", sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             _state["op"] = torch.ops.rtserve_cpu.paged_decode
         except Exception as e:  # no compiler, no ninja, read-only cache: fall back to the torch path
             log.warning("C++ CPU attention unavailable, using the pure-torch path: %s", str(e).splitlines()[0][:300])
