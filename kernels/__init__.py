@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from kernels import torch_ops
+from kernels import cpu_ext, torch_ops
 
 _BACKEND: str | None = os.environ.get("RTSERVE_ATTENTION_BACKEND") or None
 BACKENDS = ("torch", "triton")
@@ -45,3 +45,20 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out=None):
     return _impl(q.device).paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out=out)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of a 16-bit [rows, n] tensor with HF's rounding points (C++ on the CPU when built, else torch)."""
+    op = cpu_ext.rms_norm() if x.device.type == "cpu" and x.dim() == 2 else None
+    if op is not None:
+        return op(x.contiguous(), weight, eps)
+    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [rows, 2 * inter] laid out gate | up (C++ on the CPU when built, else torch)."""
+    op = cpu_ext.silu_and_mul() if gate_up.device.type == "cpu" and gate_up.dim() == 2 else None
+    if op is not None:
+        return op(gate_up.contiguous())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -1,6 +1,10 @@
 """The C++ CPU ops in `kernels/csrc/`, compiled on first use with torch's extension builder and cached by torch
-(~30 s once per machine, then milliseconds). `paged_decode()` returns the op, or None when it cannot be built (no C++
-compiler or ninja) or `RTSERVE_CPU_EXT=0`; the pure-torch path then serves, only slower."""
+(~15-30 s once per machine, then milliseconds). Each accessor returns its op, or None when the ops cannot be built (no
+C++ compiler or ninja) or `RTSERVE_CPU_EXT=0`; the pure-torch code then serves, only slower.
+
+- `paged_decode`: decode attention straight from the paged cache (paged_decode.cpp).
+- `rms_norm`, `silu_and_mul`: 16-bit RMSNorm and the MLP activation, fp32 math per row (layer_ops.cpp).
+"""
 from __future__ import annotations
 
 import logging
@@ -9,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "layer_ops.cpp")]
 _state: dict = {}
 log = logging.getLogger("rtserve.kernels")
 
@@ -18,20 +22,36 @@ def enabled() -> bool:
     return os.environ.get("RTSERVE_CPU_EXT", "1") != "0"
 
 
-def paged_decode():
-    """torch.ops.rtserve_cpu.paged_decode, built once per process (None if unavailable or disabled)."""
+def _ops():
+    """torch.ops.rtserve_cpu once built (None if unavailable or disabled)."""
     if not enabled():
         return None
-    if "op" not in _state:
-        _state["op"] = None
+    if "ops" not in _state:
+        _state["ops"] = None
         try:
             from torch.utils.cpp_extension import load
 
-            # -fopenmp: at::parallel_for is inline OpenMP, one thread without it; the loader then binds the op to the
-            # libgomp.so.1 torch already loaded, so it shares torch's thread pool
-            load("rtserve_cpu", sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-            _state["op"] = torch.ops.rtserve_cpu.paged_decode
+            # -fopenmp: at::parallel_for is inline OpenMP, one thread without it; the loader then binds the ops to the
+            # libgomp.so.1 torch already loaded, so they share torch's thread pool
+            load("rtserve_cpu", sources=[str(s) for s in _SOURCES],
+                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                 is_python_module=False, verbose=False)
+            _state["ops"] = torch.ops.rtserve_cpu
         except Exception as e:  # no compiler, no ninja, read-only cache: fall back to the torch path
-            log.warning("C++ CPU attention unavailable, using the pure-torch path: %s", str(e).splitlines()[0][:300])
-    return _state["op"]
+            log.warning("C++ CPU ops unavailable, using the pure-torch path: %s", str(e).splitlines()[0][:300])
+    return _state["ops"]
+
+
+def paged_decode():
+    ops = _ops()
+    return ops.paged_decode if ops is not None else None
+
+
+def rms_norm():
+    ops = _ops()
+    return ops.rms_norm if ops is not None else None
+
+
+def silu_and_mul():
+    ops = _ops()
+    return ops.silu_and_mul if ops is not None else None

@@ -56,3 +56,30 @@ def test_op_writes_only_the_decode_rows():
     decode[plan.decode_rows] = True
     assert bool((out[~decode] == 7.0).all()) and not bool((out[decode] == 7.0).any())
     assert sorted(plan.decode_rows.tolist()) == [int(cu[i]) for i, (n, _) in enumerate(SPECS) if n == 1]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 512])
+def test_rms_norm_rounds_where_hf_rounds(rows):
+    """bf16 RMSNorm rounds where HF's LlamaRMSNorm does (fp32 normalise, round, multiply by the bf16 weight, round):
+    equal but for a rare last-bit difference from the order of the sum of squares."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(torch.bfloat16)
+    w = torch.randn(576, generator=g).to(torch.bfloat16)
+    xf = x.float()
+    hf = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    out = cpu_ext.rms_norm()(x, w, 1e-5)
+    assert (out == hf).float().mean() > 0.999
+    assert bool(((out.float() - hf.float()).abs() <= hf.float().abs() * 2 ** -6 + 1e-30).all())   # two bf16 steps
+
+
+@pytest.mark.parametrize("rows", [1, 33, 512])
+def test_silu_and_mul_matches_torch(rows):
+    """Same rounding points as torch's silu(gate) * up; only exp() may differ by an ulp before the bf16 rounding."""
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=g) * 4).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    out = cpu_ext.silu_and_mul()(gate_up)
+    assert (out == ref).float().mean() > 0.99
+    ulp = ref.float().abs() * 2 ** -7 + 1e-30            # one bf16 step (8 significant bits)
+    assert bool(((out.float() - ref.float()).abs() <= 2 * ulp + 1e-6).all())

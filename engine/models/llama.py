@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:   # 16-bit: one fused kernel (fp32 math inside); fp32 keeps HF's exact op order
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -100,7 +100,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, config["hidden_size"], bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.dtype != torch.float32:   # 16-bit: one fused pass; fp32 keeps HF's exact op order
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
