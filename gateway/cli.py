@@ -48,7 +48,8 @@ def engine_args(ns: argparse.Namespace) -> dict:
     """CLI flags → AsyncEngine keyword arguments (only those given, so the engine's defaults stay the defaults)."""
     args = {key: getattr(ns, key) for key in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
                                               "max_model_len", "block_size", "dtype", "attention_backend",
-                                              "pinned_blocks_fraction", "device", "num_threads", "quantization") if getattr(ns, key) is not None}
+                                              "pinned_blocks_fraction", "device", "num_threads", "quantization")
+            if getattr(ns, key) is not None}
     if ns.no_prefix_caching:
         args["enable_prefix_caching"] = False
     if ns.quantization is None:   # the embedded model is a Q4_1 GGUF: its own blocks make small-batch decode fast

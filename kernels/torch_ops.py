@@ -104,10 +104,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks + decodes) over the paged KV cache.
 
-    Decodes (one query token) go to the C++ op in `kernels/csrc/` when it is built (one call, reading the cache in place);
-    otherwise they are batched into padded SDPA calls, bucketed by context length. Prefill chunks run one SDPA call each, since a
-    padded batch of a 256-token chunk next to 1-token decodes would waste most of its work. Blocks are gathered with
-    `index_select` (several times faster than advanced indexing on CPU), and the index plan is built once per step.
+    Decodes (one query token) go to the C++ op in `kernels/csrc/` when it is built (one call, reading the cache in
+    place); otherwise they are batched into padded SDPA calls, bucketed by context length. Prefill chunks run one SDPA
+    call each, since a padded batch of a 256-token chunk next to 1-token decodes would waste most of its work. Blocks
+    are gathered with `index_select` (several times faster than advanced indexing on CPU), and the index plan is built
+    once per step.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -1,12 +1,13 @@
-"""Q4_1 linear layers read straight from the GGUF file, used where the batch is small (`quantization="gguf"`).
+"""Linear layers on the GGUF file's own 4-bit blocks, used where the batch is small (`quantization="gguf"`).
 
-Why: a decode step of a few sequences is a stack of GEMVs, and a GEMV only streams its weight matrix. On this CPU oneDNN's bf16
-GEMV reads ~8-12 GB/s, so a batch-1 step of SmolLM2-135M spent ~42 ms in matmuls. The shipped GGUF stores every linear layer as
-Q4_1 (blocks of 32: w = d * q + m, q in 0..15), 4.5 bits a weight instead of 16, and torch has a CPU kernel for group-wise
-4-bit weights (`_weight_int4pack_mm_for_cpu`, which computes (q - 8) * scale + zero). With scale = d and zero = m + 8d that is
-the file's own weights, so no new rounding beyond the bf16 scales. Measured on 30 layers' worth of weights: 2-5x faster than
-bf16 at 1-4 rows, ~1.3x at 8, slower from ~12 rows, so each layer keeps its bf16 matrix for larger batches (prefill,
-big decode batches) and picks per call by row count.
+Why: a decode step of a few sequences is a stack of GEMVs, and a GEMV only streams its weight matrix. On this CPU
+oneDNN's bf16 GEMV reads ~8-12 GB/s, so a batch-1 step of SmolLM2-135M spent ~42 ms in matmuls. The shipped GGUF stores
+every linear layer as Q4_1 (blocks of 32: w = d * q + m, q in 0..15), 4.5 bits a weight instead of 16, and torch has a
+CPU kernel for group-wise 4-bit weights (`_weight_int4pack_mm_for_cpu`, which computes (q - 8) * scale + zero). With
+scale = d and zero = m + 8d that is the file's own weights, rounded only by the bf16 scales. The Q8_0 embedding (the
+tied lm_head) splits exactly into two such planes. Measured on 30 layers' worth of weights: 2-5x faster than bf16 at
+1-4 rows, ~1.3x at 8, slower from ~12 rows, so each layer keeps its bf16 matrix for larger batches (prefill, big decode
+batches) and picks per call by row count.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch import nn
 from engine.errors import ModelLoadError
 
 GROUP = 32            # Q4_1 and Q8_0 block size; also the kernel's group size
-MAX_ROWS = 8          # use the 4-bit kernel up to this many rows (measured in one engine: 1.7x at 1 row, 1.07x at 8, slower at 12)
+MAX_ROWS = 8          # 4-bit kernel up to this many rows (whole decode step: 2x at 1 row, 1.07x at 8, slower at 12)
 _Q4_1_BYTES = 20      # per block: fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BYTES = 34      # per block: fp16 d, 32 int8
 
