@@ -7,6 +7,7 @@ C++ compiler or ninja) or `RTSERVE_CPU_EXT=0`; the pure-torch code then serves, 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -33,9 +34,11 @@ def _ops():
 
             # -fopenmp: at::parallel_for is inline OpenMP, one thread without it; the loader then binds the ops to the
             # libgomp.so.1 torch already loaded, so they share torch's thread pool
+            # torch rebuilds when a listed source changes but does not see headers: their hash goes into the flags
+            digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(_SOURCES[0].parent.iterdir()))).hexdigest()
             load("rtserve_cpu", sources=[str(s) for s in _SOURCES],
-                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                 is_python_module=False, verbose=False)
+                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", f"-DRTSERVE_CSRC={digest[:12]}"],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             _state["ops"] = torch.ops.rtserve_cpu
         except Exception as e:  # no compiler, no ninja, read-only cache: fall back to the torch path
             log.warning("C++ CPU ops unavailable, using the pure-torch path: %s", str(e).splitlines()[0][:300])
