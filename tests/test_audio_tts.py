@@ -41,14 +41,15 @@ def test_speed_changes_duration(synth):
 
 
 def test_session_output_formats(synth):
-    # Piper samples noise, so two syntheses of one text differ a little in length.
+    # Piper samples its phoneme durations (noise_w), so two syntheses of one text differ in length: a CI run saw 2.18 s
+    # and 1.73 s. The bounds still catch a wrong rate (8 kHz bytes read as 22.05 kHz is a factor 2.76).
     text = "Hello there, how can I help?"
     ref = len(synth.synthesize(text)) / 22050
     pcm24 = pcm16_decode(synth.synthesize_format(text, {"type": "audio/pcm", "rate": 24000}))
-    assert 0.8 < len(pcm24) / 24000 / ref < 1.25
+    assert 0.65 < len(pcm24) / 24000 / ref < 1.5
     for fmt in ("g711_ulaw", "g711_alaw"):
         raw = synth.synthesize_format(text, fmt)  # one byte per 8 kHz sample
-        assert 0.8 < len(raw) / 8000 / ref < 1.25
+        assert 0.65 < len(raw) / 8000 / ref < 1.5
     y = ulaw_decode(synth.synthesize_format(text, {"type": "audio/pcmu"})).astype(np.float32) / 32768
     lo, hi = speech_bounds_ms(y, rate=8000)
     assert np.abs(y).max() > 0.3 and hi - lo > 800
@@ -70,7 +71,7 @@ async def test_worker_speaks_and_round_trips_through_whisper():
     assert all(a.dtype == np.int16 and len(a) > 8000 for a in audios)
     fmt = parse_audio_format("pcm16")
     raw = await worker.speak_format(pieces[0], fmt)
-    assert len(raw) % 2 == 0 and 0.8 < (len(raw) // 2) / (len(audios[0]) * 1.5) < 1.25
+    assert len(raw) % 2 == 0 and 0.65 < (len(raw) // 2) / (len(audios[0]) * 1.5) < 1.5  # piper durations vary
     worker.close()
     text = get_whisper().transcribe([np.concatenate(audios).astype(np.float32) / 32768])[0]
     assert jiwer.wer(reply.lower().replace(",", "").replace(".", ""),
