@@ -44,6 +44,11 @@ def bench_engine(prompts, outputs, dtype: str, engine_args: dict) -> dict:
             "preemptions": llm.engine.scheduler.num_preemptions}
 
 
+def print_engine(label: str, eng: dict) -> None:
+    print(f"[{label}] rtserve: {eng['tok_s']:.1f} tok/s ({eng['elapsed']:.1f} s, {eng['steps']} steps, "
+          f"kv waste {eng['kv_waste']:.2%})", flush=True)
+
+
 def load_hf(dtype: str):
     from transformers import AutoModelForCausalLM
 
@@ -109,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for dtype in (["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]):
         eng = bench_engine(prompts, outputs, dtype, engine_args)
-        print(f"[{dtype}] rtserve: {eng['tok_s']:.1f} tok/s ({eng['elapsed']:.1f} s, {eng['steps']} steps, "
-              f"kv waste {eng['kv_waste']:.2%})", flush=True)
+        print_engine(dtype, eng)
         seq = stat = None
         if not args.skip_hf:
             model = load_hf(dtype)
@@ -122,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((dtype, eng, seq, stat))
         if dtype == "bfloat16" and not args.no_gguf_row:   # same HF baselines: HF can only run the dequantized weights
             eng = bench_engine(prompts, outputs, dtype, {**engine_args, "quantization": "gguf"})
-            print(f"[bfloat16 + gguf q4] rtserve: {eng['tok_s']:.1f} tok/s ({eng['elapsed']:.1f} s, {eng['steps']} steps, "
-                  f"kv waste {eng['kv_waste']:.2%})", flush=True)
+            print_engine("bfloat16 + gguf q4", eng)
             rows.append(("bfloat16 + gguf q4", eng, seq, stat))
 
     print("\n| dtype | rtserve tok/s | HF sequential tok/s | HF static-8 tok/s | vs sequential | vs static-8 | "

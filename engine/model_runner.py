@@ -51,7 +51,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
         if self.device.type == "cpu":
-            cpu_ext.paged_decode()   # build (first run on a machine, ~15-30 s) or load the C++ ops now, not mid-request
+            cpu_ext.ops()   # build (first run on a machine, ~15-30 s) or load the C++ ops now, not mid-request
         if q4_gguf is not None:
             if self.device.type != "cpu":
                 raise ModelLoadError("quantization='gguf' runs on the CPU only (torch's 4-bit kernel for CPU)")

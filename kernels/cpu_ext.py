@@ -23,8 +23,8 @@ def enabled() -> bool:
     return os.environ.get("RTSERVE_CPU_EXT", "1") != "0"
 
 
-def _ops():
-    """torch.ops.rtserve_cpu once built (None if unavailable or disabled)."""
+def ops():
+    """torch.ops.rtserve_cpu, built or loaded on the first call (None if unavailable or disabled)."""
     if not enabled():
         return None
     if "ops" not in _state:
@@ -35,7 +35,7 @@ def _ops():
             # -fopenmp: at::parallel_for is inline OpenMP, one thread without it; the loader then binds the ops to the
             # libgomp.so.1 torch already loaded, so they share torch's thread pool
             # torch rebuilds when a listed source changes but does not see headers: their hash goes into the flags
-            digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(_SOURCES[0].parent.iterdir()))).hexdigest()
+            digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(_SOURCES[0].parent.iterdir()) if p.is_file())).hexdigest()
             load("rtserve_cpu", sources=[str(s) for s in _SOURCES],
                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", f"-DRTSERVE_CSRC={digest[:12]}"],
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
@@ -45,16 +45,18 @@ def _ops():
     return _state["ops"]
 
 
+def _op(name: str):
+    lib = ops()
+    return getattr(lib, name) if lib is not None else None
+
+
 def paged_decode():
-    ops = _ops()
-    return ops.paged_decode if ops is not None else None
+    return _op("paged_decode")
 
 
 def rms_norm():
-    ops = _ops()
-    return ops.rms_norm if ops is not None else None
+    return _op("rms_norm")
 
 
 def silu_and_mul():
-    ops = _ops()
-    return ops.silu_and_mul if ops is not None else None
+    return _op("silu_and_mul")
