@@ -35,7 +35,8 @@ def ops():
             # -fopenmp: at::parallel_for is inline OpenMP, one thread without it; the loader then binds the ops to the
             # libgomp.so.1 torch already loaded, so they share torch's thread pool
             # torch rebuilds when a listed source changes but does not see headers: their hash goes into the flags
-            digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(_SOURCES[0].parent.iterdir()) if p.is_file())).hexdigest()
+            files = sorted(p for p in _SOURCES[0].parent.iterdir() if p.is_file())
+            digest = hashlib.sha1(b"".join(p.read_bytes() for p in files)).hexdigest()
             load("rtserve_cpu", sources=[str(s) for s in _SOURCES],
                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", f"-DRTSERVE_CSRC={digest[:12]}"],
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
