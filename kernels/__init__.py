@@ -47,6 +47,59 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     return _impl(q.device).paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out=out)
 
 
+AMX_MAX_ROWS = 64   # packed AMX GEMM up to this many rows: 1.2-5x oneDNN at 1-64 rows, on par or slower from ~96
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [N, K] in the AMX tile order of `linear` (kernels/csrc/amx_linear.cpp), or None where that kernel does not
+    apply: not bf16, not on an AMX CPU with the C++ ops built, or N or K not a multiple of 32."""
+    lib = cpu_ext.ops() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
+    n, k = weight.shape
+    if lib is None or n % 32 or k % 32 or not lib.amx_available():
+        return None
+    # [N, K] -> [N/32 column blocks, K/32 k blocks, 2 tiles of 16 columns, 16 k pairs, 16 columns x 2 k]
+    return weight.detach().view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(
+        n // 32, k // 32, 2, 16, 32).contiguous()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias; decode-sized bf16 batches go to the AMX kernel when `packed` (from pack_linear_weight) is
+    given, everything else to torch (oneDNN)."""
+    if packed is not None and x.dim() == 2 and x.shape[0] <= AMX_MAX_ROWS:
+        return cpu_ext.ops().amx_linear(x, packed, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def amx_available() -> bool:
+    lib = cpu_ext.ops()
+    return lib is not None and lib.amx_available()
+
+
+def pack_gguf_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1 weights w = d * q + m (q [N, K] uint8 0..15; d, m [N, K/32] fp16) in the tile order of `linear_gguf`:
+    qs [N/32, K/32, 2, 16, 16] uint8, byte i of a tile row holding lanes i and i + 16; dm [N/32, K/32, 2, 2, 16] fp16."""
+    n, k = q.shape
+    lanes = q.view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(n // 32, k // 32, 2, 16, 32)
+    qs = (lanes[..., :16] | (lanes[..., 16:] << 4)).contiguous()
+    dm = torch.stack([d, m]).view(2, n // 32, 2, 16, k // 32).permute(1, 4, 2, 0, 3).contiguous()
+    return qs, dm
+
+
+def pack_gguf_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 weights w = d * q (q [N, K] int8; d [N, K/32] fp16) in the tile order of `linear_gguf`:
+    qs [N/32, K/32, 2, 16, 32] int8; dm [N/32, K/32, 2, 16] fp16."""
+    n, k = q.shape
+    qs = q.view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(n // 32, k // 32, 2, 16, 32)
+    return qs.contiguous(), d.view(n // 32, 2, 16, k // 32).permute(0, 3, 1, 2).contiguous()
+
+
+def linear_gguf(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias on packed GGUF blocks (AMX; bf16 x). Each weight is dequantized in fp32 and rounded to bf16
+    exactly as the dense bf16 model's weight was, so the result equals `linear` on that dense weight."""
+    return cpu_ext.ops().amx_linear_gguf(x, qs, dm, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of a 16-bit [rows, n] tensor with HF's rounding points (C++ on the CPU when built, else torch)."""
     op = cpu_ext.rms_norm() if x.device.type == "cpu" and x.dim() == 2 else None

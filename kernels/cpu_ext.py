@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "layer_ops.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "layer_ops.cpp", "amx_linear.cpp")]
 _state: dict = {}
 log = logging.getLogger("rtserve.kernels")
 

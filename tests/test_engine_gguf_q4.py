@@ -1,10 +1,12 @@
 """`quantization="gguf"`: small batches run on the GGUF file's own Q4_1 / Q8_0 blocks (engine/models/gguf_q4.py).
 
-The 4-bit planes must be the file's weights (checked layer by layer against the dense weights the model loads), decode steps
+The 4-bit planes and the AMX blocks must be the file's weights (checked layer by layer against the dense weights the model loads), decode steps
 on them must stay as close to HF transformers' bf16 as our dense bf16 path is, and a model the path cannot serve must fail
 with a typed error."""
 import pytest
 import torch
+
+import kernels
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
@@ -29,19 +31,32 @@ def test_every_quantized_layer_is_the_files_weight():
         assert err.mean().item() < 1e-3
 
 
-def test_small_batches_use_the_4bit_kernel_and_large_ones_the_dense_weight():
+def test_the_amx_kernel_multiplies_by_exactly_the_dense_weights():
+    model = load_model(resolve_model_dir(None), torch.bfloat16, torch.device("cpu"))
+    attach_gguf_q4(model, default_model_path(), resolve_model_dir(None))
+    layers = [m for m in model.modules() if isinstance(m, Q4Linear)]
+    assert all(lin.amx is not None for lin in layers)       # an AMX CPU (this machine and CI): blocks packed for it
+    for lin in layers[:4] + layers[-5:]:                    # the first and last layers, and the Q8_0 lm_head
+        assert torch.equal(lin.dequantized_amx(), lin.weight.detach())
+
+
+def test_each_batch_size_takes_its_kernel():
     model = load_model(resolve_model_dir(None), torch.bfloat16, torch.device("cpu"))
     attach_gguf_q4(model, default_model_path(), resolve_model_dir(None))
     lin = model.layers[3].mlp.gate_up_proj
-    for rows in (1, gguf_q4.MAX_ROWS, gguf_q4.MAX_ROWS + 1, 64):
+    packed = kernels.pack_linear_weight(lin.weight)
+    for rows in (1, gguf_q4.INT4_MAX_ROWS, gguf_q4.INT4_MAX_ROWS + 1, 32, kernels.AMX_MAX_ROWS,
+                 kernels.AMX_MAX_ROWS + 1):
         x = torch.randn(rows, lin.weight.shape[1], dtype=torch.bfloat16)
         dense = torch.nn.functional.linear(x, lin.weight)
         y = lin(x)
-        if rows > gguf_q4.MAX_ROWS:
+        if rows > kernels.AMX_MAX_ROWS:
             assert torch.equal(y, dense)                                   # prefill / big batches: dense bf16
+        elif rows > gguf_q4.INT4_MAX_ROWS:                                 # the AMX kernel on the same weights
+            assert torch.equal(y, torch.ops.rtserve_cpu.amx_linear(x, packed, None))
         else:
-            assert not torch.equal(y, dense)                               # a different kernel ran ...
-            assert (y.float() - dense.float()).abs().max() < 0.05 * dense.float().abs().max()   # ... on the same weights
+            assert not torch.equal(y, dense)                               # torch's 4-bit kernel ran ...
+        assert (y.float() - dense.float()).abs().max() < 0.05 * dense.float().abs().max()   # ... on the same weights
 
 
 def test_decode_logprobs_close_to_hf_bf16():

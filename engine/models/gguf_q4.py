@@ -1,13 +1,19 @@
 """Linear layers on the GGUF file's own 4-bit blocks, used where the batch is small (`quantization="gguf"`).
 
-Why: a decode step of a few sequences is a stack of GEMVs, and a GEMV only streams its weight matrix. On this CPU
-oneDNN's bf16 GEMV reads ~8-12 GB/s, so a batch-1 step of SmolLM2-135M spent ~42 ms in matmuls. The shipped GGUF stores
-every linear layer as Q4_1 (blocks of 32: w = d * q + m, q in 0..15), 4.5 bits a weight instead of 16, and torch has a
-CPU kernel for group-wise 4-bit weights (`_weight_int4pack_mm_for_cpu`, which computes (q - 8) * scale + zero). With
-scale = d and zero = m + 8d that is the file's own weights, rounded only by the bf16 scales. The Q8_0 embedding (the
-tied lm_head) splits exactly into two such planes. Measured on 30 layers' worth of weights: 2-5x faster than bf16 at
-1-4 rows, ~1.3x at 8, slower from ~12 rows, so each layer keeps its bf16 matrix for larger batches (prefill, big decode
-batches) and picks per call by row count.
+Why: a decode step of a few sequences is a stack of GEMVs, and a GEMV only streams its weight matrix: SmolLM2-135M's
+linear layers are 268 MB in bf16, which this CPU reads at ~9-12 GB/s. The shipped GGUF stores every linear layer as
+Q4_1 (blocks of 32: w = d * q + m, q in 0..15), 5 bits a weight with its scales, and the tied embedding / lm_head as
+Q8_0 (w = d * q, q int8). Two kernels run on those blocks, each where it measured fastest (all linear layers of the
+model, bf16 activations; docs/benchmarks.md):
+
+- torch's CPU kernel for group-wise 4-bit weights (`_weight_int4pack_mm_for_cpu`, which computes (q - 8) * scale +
+  zero; scale = d and zero = m + 8d is the file's weight, rounded only by the bf16 scales): ~11 ms at 1 row against
+  ~18 ms for the AMX kernel, but ~40 ms from 8 rows. Used up to INT4_MAX_ROWS rows (MAX_ROWS on a CPU without AMX).
+- `kernels.linear_gguf` (AMX, kernels/csrc/amx_linear.cpp): dequantizes tile by tile to exactly the dense bf16
+  weights, ~17-29 ms at 4-32 rows against ~22-35 ms for bf16 AMX and ~35-55 ms for oneDNN. Used up to
+  kernels.AMX_MAX_ROWS rows.
+
+Prefill chunks and larger batches keep the dense bf16 weights (oneDNN is the fastest there).
 """
 from __future__ import annotations
 
@@ -19,10 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from engine.errors import ModelLoadError
 
 GROUP = 32            # Q4_1 and Q8_0 block size; also the kernel's group size
-MAX_ROWS = 8          # 4-bit kernel up to this many rows (whole decode step: 2x at 1 row, 1.07x at 8, slower at 12)
+MAX_ROWS = 8          # torch's 4-bit kernel up to this many rows on a CPU without AMX (2x bf16 at 1 row, 1.07x at 8)
+INT4_MAX_ROWS = 2     # ... and on an AMX CPU, where the AMX kernel is as fast from ~4 rows and faster from 8
 _Q4_1_BYTES = 20      # per block: fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BYTES = 34      # per block: fp16 d, 32 int8
 
@@ -42,18 +50,31 @@ class Plane:
 
 
 class Q4Linear(nn.Module):
-    """A linear layer with two copies of its weight: 4-bit planes (small batches) and dense (everything else).
+    """A linear layer with its weight as GGUF blocks (small batches) and dense (everything else).
 
-    A Q4_1 matrix is one plane. A Q8_0 matrix (the tied embedding / lm_head) is two: its int8 q + 128 = 16 * hi + lo splits
-    into two 4-bit matrices that together still read half the bytes of bf16."""
+    The blocks become planes for torch's 4-bit kernel: a Q4_1 matrix is one plane; a Q8_0 matrix is two, its int8
+    q + 128 = 16 * hi + lo split into two 4-bit matrices that together still read half the bytes of bf16. On an AMX CPU
+    with bf16 weights they are also packed for `kernels.linear_gguf`."""
 
-    def __init__(self, dense: nn.Linear, planes: list[Plane]):
+    packed = None   # no bf16 AMX copy: the blocks serve the sizes it would
+
+    def __init__(self, dense: nn.Linear, blocks: "GgufBlocks"):
         super().__init__()
         self.weight, self.bias = dense.weight, dense.bias
-        self.planes = planes
+        self.amx: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.weight.dtype == torch.bfloat16 and kernels.amx_available():
+            self.amx = blocks.pack_amx()
+        self.planes = blocks.planes(self.weight.dtype)
+        self.int4_max_rows = MAX_ROWS if self.amx is None else INT4_MAX_ROWS
+
+    def pack(self) -> None:
+        pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > MAX_ROWS:
+        rows = x.shape[0]
+        if rows > self.int4_max_rows:
+            if self.amx is not None and rows <= kernels.AMX_MAX_ROWS:
+                return kernels.linear_gguf(x, *self.amx, self.bias)
             return F.linear(x, self.weight, self.bias)
         x = x.contiguous()
         y = self.planes[0].mm(x)
@@ -62,36 +83,60 @@ class Q4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the 4-bit path multiplies by, as a dense matrix (for checks)."""
+        """The weight torch's 4-bit kernel multiplies by, as a dense matrix (for checks)."""
         eye = torch.eye(self.weight.shape[1], dtype=self.weight.dtype)
         return sum(plane.mm(eye) for plane in self.planes).T
 
+    def dequantized_amx(self) -> torch.Tensor:
+        """The weight the AMX kernel multiplies by, as a dense matrix (for checks)."""
+        eye = torch.eye(self.weight.shape[1], dtype=self.weight.dtype)
+        return kernels.linear_gguf(eye, *self.amx).T
 
-def q4_1_planes(raw: np.ndarray, dtype: torch.dtype) -> list[Plane]:
-    """Raw Q4_1 rows [rows, cols / 32 * 20] uint8 -> one plane: scale d, zero m + 8d gives d * q + m.
 
-    ggml's block layout: d, m, then 16 bytes whose low nibbles are elements 0-15 and high nibbles elements 16-31."""
+class GgufBlocks:
+    """One matrix's GGUF blocks, unpacked to arrays: Q4_1 (w = d * q + m) or Q8_0 (w = d * q, m None)."""
+
+    __slots__ = ("q", "d", "m")
+
+    def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None):
+        self.q, self.d, self.m = q, d, m
+
+    def pack_amx(self) -> tuple[torch.Tensor, torch.Tensor]:
+        q, d = torch.from_numpy(self.q), torch.from_numpy(self.d)
+        if self.m is None:
+            return kernels.pack_gguf_q8_0(q, d)
+        return kernels.pack_gguf_q4_1(q, d, torch.from_numpy(self.m))
+
+    def planes(self, dtype: torch.dtype) -> list[Plane]:
+        d = self.d.astype(np.float32)
+        if self.m is not None:   # scale d, zero m + 8d gives d * q + m
+            return [Plane(self.q, d, self.m.astype(np.float32) + 8 * d, dtype)]
+        # Q8_0 with u = q + 128 = 16 * hi + lo: w = 16d * hi + d * lo - 128d. Plane hi: scale 16d, zero 0 gives
+        # 16d * hi - 128d; plane lo: scale d, zero 8d gives d * lo.
+        u = self.q.astype(np.int16) + 128
+        hi, lo = (u >> 4).astype(np.uint8), (u & 0x0F).astype(np.uint8)
+        return [Plane(hi, 16 * d, np.zeros_like(d), dtype), Plane(lo, d, 8 * d, dtype)]
+
+
+def read_q4_1(raw: np.ndarray) -> GgufBlocks:
+    """Raw Q4_1 rows [rows, cols / 32 * 20] uint8. ggml's block layout: fp16 d, fp16 m, then 16 bytes whose low
+    nibbles are elements 0-15 and high nibbles elements 16-31."""
     blocks = raw.reshape(raw.shape[0], -1, _Q4_1_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
     qs = blocks[..., 4:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(raw.shape[0], -1)
-    return [Plane(q, d, m + 8 * d, dtype)]
+    return GgufBlocks(q, d, m)
 
 
-def q8_0_planes(raw: np.ndarray, dtype: torch.dtype) -> list[Plane]:
-    """Raw Q8_0 rows [rows, cols / 32 * 34] uint8 (w = d * q, q int8) -> two planes.
-
-    With u = q + 128 = 16 * hi + lo: w = 16d * hi + d * lo - 128d. Plane hi: scale 16d, zero 0 gives 16d * hi - 128d;
-    plane lo: scale d, zero 8d gives d * lo."""
+def read_q8_0(raw: np.ndarray) -> GgufBlocks:
+    """Raw Q8_0 rows [rows, cols / 32 * 34] uint8: fp16 d, then 32 int8."""
     blocks = raw.reshape(raw.shape[0], -1, _Q8_0_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    u = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).reshape(raw.shape[0], -1)
-    hi, lo = (u >> 4).astype(np.uint8), (u & 0x0F).astype(np.uint8)
-    return [Plane(hi, 16 * d, np.zeros_like(d), dtype), Plane(lo, d, 8 * d, dtype)]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    return GgufBlocks(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(raw.shape[0], -1), d, None)
 
 
-_READERS = {"Q4_1": q4_1_planes, "Q8_0": q8_0_planes}
+_READERS = {"Q4_1": read_q4_1, "Q8_0": read_q8_0}
 
 
 def cached_gguf_blocks(gguf_path: Path, cache_dir: Path) -> dict[str, np.ndarray]:
@@ -142,9 +187,9 @@ def attach_gguf_q4(model: nn.Module, gguf_path: Path, cache_dir: Path) -> int:
             rows = rows[_unpermute_rows(rows.shape[0], permute_heads)]
         return key.split(":")[0], rows
 
-    def planes(*parts) -> list[Plane]:
+    def planes(*parts) -> GgufBlocks:
         kinds = {kind for kind, _ in parts}
-        return _READERS[kinds.pop()](np.concatenate([rows for _, rows in parts]), dtype)
+        return _READERS[kinds.pop()](np.concatenate([rows for _, rows in parts]))
 
     swapped = 0
     for i, layer in enumerate(model.layers):

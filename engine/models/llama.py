@@ -24,6 +24,19 @@ class AttentionMetadata:
     block_tables: torch.Tensor     # [B, max_blocks] int32, -1 padded
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can carry a second copy of its weight in the AMX kernel's tile order (`pack`), used for
+    decode-sized bf16 batches on the CPU (kernels.linear)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = kernels.pack_linear_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias, self.packed)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -76,8 +89,8 @@ class Attention(nn.Module):
         bias = bool(config.get("attention_bias", config.get("model_type") == "qwen2"))
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=False)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
@@ -96,8 +109,8 @@ class MLP(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
         self.inter = config["intermediate_size"]
-        self.gate_up_proj = nn.Linear(config["hidden_size"], 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, config["hidden_size"], bias=False)
+        self.gate_up_proj = Linear(config["hidden_size"], 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, config["hidden_size"], bias=False)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
@@ -128,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config["num_hidden_layers"]))
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        self.lm_head = Linear(config["hidden_size"], config["vocab_size"], bias=False)
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("inv_freq", rope_inv_freq(config, attn.head_dim), persistent=False)
@@ -145,6 +158,15 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
         return self.norm(x)
+
+    def pack_weights(self) -> int:
+        """Give every linear layer its AMX copy (bf16 on an AMX CPU; a no-op elsewhere); returns how many got one."""
+        packed = 0
+        for module in self.modules():
+            if hasattr(module, "pack"):
+                module.pack()
+                packed += module.packed is not None
+        return packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,91 @@
+"""The AMX linear kernels (kernels/csrc/amx_linear.cpp) against plain references.
+
+- `kernels.linear` with a packed weight: x @ W.T in fp32 accumulation, rounded once to bf16, for every row count the
+  engine sends it (1-64, tails of 16 included) and with bias.
+- `kernels.linear_gguf` on Q4_1 / Q8_0 blocks packed by `kernels.pack_gguf_*`: the weight it multiplies by is bit for bit
+  the dense bf16 weight gguf's own dequantization gives (bf16(d * q + m)), so its outputs equal the bf16 kernel's.
+This machine's CPU has AMX (the CI machine is the same kind); elsewhere `kernels.linear` must fall back to torch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+ROWS = [1, 2, 5, 16, 17, 32, 33, 64]
+SHAPES = [(64, 32), (960, 576), (576, 1536)]    # (N, K): a minimal one and SmolLM2's qkv and down projections
+
+
+def test_amx_is_used_on_this_machine():
+    assert kernels.amx_available(), "this CPU has AMX-BF16 and `make test` installs the compiler the op needs"
+    assert kernels.pack_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
+    # what the kernel cannot take is left to torch
+    assert kernels.pack_linear_weight(torch.zeros(64, 64)) is None                       # fp32
+    assert kernels.pack_linear_weight(torch.zeros(48, 64, dtype=torch.bfloat16)) is None  # N not a multiple of 32
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_packed_linear_matches_fp32_reference(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    packed = kernels.pack_linear_weight(w)
+    for b in (None, bias):
+        y = kernels.linear(x, w, b, packed)
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+        # fp32 accumulation, one rounding to bf16: within one bf16 step (2^-8 relative) of the exact value
+        err = (y.double() - ref).abs() - ref.abs() * 2 ** -8
+        assert err.max().item() < 1e-3 * ref.abs().max().item()
+        assert torch.allclose(y.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_packed_linear_leaves_large_batches_to_torch():
+    w = torch.randn(64, 64).bfloat16()
+    x = torch.randn(kernels.AMX_MAX_ROWS + 1, 64).bfloat16()
+    assert torch.equal(kernels.linear(x, w, None, kernels.pack_linear_weight(w)), F.linear(x, w))
+
+
+def _q4_1(n, k, rng):
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    d = (rng.random((n, k // 32)) * 0.02).astype(np.float16)
+    m = (-rng.random((n, k // 32)) * 0.1).astype(np.float16)
+    # gguf's dequantization: fp32 products and sums, then our load casts to bf16
+    w = d.astype(np.float32).repeat(32, 1) * q.astype(np.float32) + m.astype(np.float32).repeat(32, 1)
+    packed = kernels.pack_gguf_q4_1(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+    return torch.from_numpy(w).bfloat16(), packed
+
+
+def _q8_0(n, k, rng):
+    q = rng.integers(-128, 128, (n, k)).astype(np.int8)
+    d = (rng.random((n, k // 32)) * 0.01).astype(np.float16)
+    w = q.astype(np.float32) * d.astype(np.float32).repeat(32, 1)
+    return torch.from_numpy(w).bfloat16(), kernels.pack_gguf_q8_0(torch.from_numpy(q), torch.from_numpy(d))
+
+
+@pytest.mark.parametrize("make", [_q4_1, _q8_0], ids=["q4_1", "q8_0"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gguf_blocks_dequantize_to_the_dense_bf16_weight(make, n, k):
+    w, (qs, dm) = make(n, k, np.random.default_rng(n + k))
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    for chunk in eye.split(48):     # one-hot rows pick weights out exactly; 48 rows take the buffered path, the tail
+        assert torch.equal(kernels.linear_gguf(chunk, qs, dm), w[:, chunk.argmax(1)].T)   # (k % 48) the fused one
+    packed = kernels.pack_linear_weight(w)
+    gen = torch.Generator().manual_seed(k)
+    for rows in ROWS + [65, 100]:              # the fused (<= 32 rows) and buffered paths, with bias
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        bias = torch.randn(n, generator=gen).bfloat16()
+        same_weights = torch.ops.rtserve_cpu.amx_linear(x, packed, bias)
+        assert torch.equal(kernels.linear_gguf(x, qs, dm, bias), same_weights), rows
+
+
+def test_bad_shapes_are_refused():
+    w = torch.randn(64, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.linear(torch.randn(2, 32).bfloat16(), w, None, kernels.pack_linear_weight(w))
+    with pytest.raises(RuntimeError, match="packed"):
+        torch.ops.rtserve_cpu.amx_linear(torch.randn(2, 64).bfloat16(), w, None)
