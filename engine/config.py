@@ -37,7 +37,7 @@ class EngineArgs:
     attention_backend: str | None = None
     device: str = "cpu"
     num_threads: int | None = None
-    quantization: str | None = None     # "gguf": small batches on the GGUF's own 4-bit blocks (engine/models/gguf_q4.py)
+    quantization: str | None = None     # "gguf": decode batches on the GGUF's own 4-bit blocks (engine/models/gguf_q4.py)
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)

@@ -33,8 +33,8 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=None, help='"cpu" (default) or "cuda"')
     ap.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--quantization", default=None, choices=["none", "gguf"],
-                    help='"gguf": batches of up to 8 rows run on the GGUF file\'s own Q4_1 blocks (2-4x faster decode on '
-                         'CPU). Default: gguf for the embedded model on the CPU, none otherwise')
+                    help='"gguf": decode batches of up to 64 rows run on the GGUF file\'s own Q4_1 blocks (faster decode '
+                         'on CPU). Default: gguf for the embedded model on the CPU, none otherwise')
     ap.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     ap.add_argument("--send-queue-max", type=int, default=None,
                     help="outgoing events buffered per connection before a stalled client is disconnected")

@@ -212,6 +212,19 @@ def test_token_cap_stops_a_looping_decoder(model, clips):
     assert 0 < len(tokens) <= 12
 
 
+def test_amx_decoder_agrees_with_torch_gemm(model, clips):
+    """bf16 decoder linears and the vocabulary projection on the AMX kernel (this CPU has it): same tokens, logits
+    within bf16 noise of torch's own GEMM."""
+    assert model._proj_packed is not None
+    plain = WhisperModel.load(dtype=torch.bfloat16, pack=False)
+    enc = model.encode(model.features([clips["piper"], clips["espeak"]]))
+    assert model.decode_greedy(enc) == plain.decode_greedy(enc)
+    hidden = torch.randn(3, 384).bfloat16()
+    ours, ref = model._logits(hidden), plain._logits(hidden)
+    assert ours.shape == ref.shape == (3, 51864)
+    assert (ours - ref).abs().max() < 0.02 * ref.abs().max()
+
+
 def test_decoder_loop_matches_transformers(clips):
     """Our cached decoder loop picks, at every step, the token HF's own uncached forward ranks first (fp32)."""
     from audio.whisper import NO_TIMESTAMPS, SOT
