@@ -3,7 +3,9 @@
 C++ compiler or ninja) or `RTSERVE_CPU_EXT=0`; the pure-torch code then serves, only slower.
 
 - `paged_decode`: decode attention straight from the paged cache (paged_decode.cpp).
-- `rms_norm`, `silu_and_mul`: 16-bit RMSNorm and the MLP activation, fp32 math per row (layer_ops.cpp).
+- `rms_norm`, `silu_and_mul`, `add_rms_norm` (residual add fused into the norm), `rope_store` (rotary embedding of q
+  and k fused with the KV-cache store): 16-bit only, fp32 math per row, rounded where torch rounds (layer_ops.cpp).
+- `amx_linear`, `amx_linear_gguf`: bf16 linear layers on AMX tiles (amx_linear.cpp).
 """
 from __future__ import annotations
 
@@ -61,3 +63,11 @@ def rms_norm():
 
 def silu_and_mul():
     return _op("silu_and_mul")
+
+
+def add_rms_norm():
+    return _op("add_rms_norm")
+
+
+def rope_store():
+    return _op("rope_store")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels
 from kernels import cpu_ext, torch_ops
 from test_triton_kernels import _batch
 
@@ -83,3 +84,46 @@ def test_silu_and_mul_matches_torch(rows):
     assert (out == ref).float().mean() > 0.99
     ulp = ref.float().abs() * 2 ** -7 + 1e-30            # one bf16 step (8 significant bits)
     assert bool(((out.float() - ref.float()).abs() <= 2 * ulp + 1e-6).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows", [1, 33, 512])
+def test_add_rms_norm_is_the_add_then_the_norm(rows, dtype):
+    """The fused residual add + RMSNorm: the residual becomes exactly torch's `residual + x`, and the output is the
+    C++ RMSNorm of that sum, bit for bit."""
+    g = torch.Generator().manual_seed(rows)
+    x, res = ((torch.randn(2, rows, 576, generator=g) * 3).to(dtype))
+    w = torch.randn(576, generator=g).to(dtype)
+    total = res + x
+    out = kernels.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(res, total)                                  # in place, rounded as torch's add
+    assert torch.equal(out, cpu_ext.rms_norm()(total, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_rope_and_store_matches_the_torch_ops(heads, kv_heads, head_dim, dtype, monkeypatch):
+    """The fused rotary embedding + KV store equals torch's ops (`apply_rope`, then `store_kvcache`) exactly: the
+    same q, the same cache contents, slot -1 left untouched."""
+    g = torch.Generator().manual_seed(heads * head_dim)
+    T, blocks, bs = 37, 8, 16
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    pos = torch.randint(0, 4000, (T,), generator=g).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat([pos[:, None] * inv] * 2, dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    slots = torch.randperm(blocks * bs, generator=g)[:T]
+    slots[[3, 20]] = -1
+    caches = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(cpu_ext, "rope_store", lambda: None)
+        k_cache = torch.full((blocks, bs, kv_heads, head_dim), 7.0, dtype=dtype)
+        v_cache = torch.full((blocks, bs, kv_heads, head_dim), 7.0, dtype=dtype)
+        q = kernels.rope_and_store(qkv, cos, sin, k_cache, v_cache, slots, heads)
+        caches[fused] = (q, k_cache, v_cache)
+    for a, b in zip(caches[True], caches[False]):
+        assert torch.equal(a, b)
+    untouched = torch.ones(blocks * bs, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert bool((caches[True][1].view(blocks * bs, -1)[untouched] == 7.0).all())

@@ -43,9 +43,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x), or with `residual`: residual += x (in place), then RMSNorm(residual)."""
         if x.dtype != torch.float32:   # 16-bit: one fused kernel (fp32 math inside); fp32 keeps HF's exact op order
+            if residual is not None:
+                return kernels.add_rms_norm(x, residual, self.weight, self.eps)
             return kernels.rms_norm(x, self.weight, self.eps)
+        if residual is not None:
+            x = residual.add_(x)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -72,13 +77,6 @@ def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim] (HF's rotate_half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
@@ -95,11 +93,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
         T = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = apply_rope(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # q and k in one go
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = kernels.rope_and_store(self.qkv_proj(x), cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads)
         o = kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                                     self.scale)
         return self.o_proj(o.view(T, self.q_size))
@@ -129,9 +123,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, meta, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, meta, k_cache, v_cache):
+        """Returns (this layer's MLP output, the residual stream before it). Each residual add happens inside the
+        next norm (vLLM's layout): one fused op instead of an add and a norm; the same numbers as HF's order."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, meta, k_cache, v_cache), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -155,9 +155,10 @@ class LlamaForCausalLM(nn.Module):
         """Returns final hidden states [num_tokens, hidden]; kv_cache is [layers, 2, blocks, block_size, kv_heads, d]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
+        return self.norm(x, residual)
 
     def pack_weights(self) -> int:
         """Give every linear layer its AMX copy (bf16 on an AMX CPU; a no-op elsewhere); returns how many got one."""

@@ -66,6 +66,57 @@ void rms_norm_rows(const T* __restrict x, const T* __restrict w, T* __restrict o
   });
 }
 
+// residual += x (rounded to T, as torch's add), then RMSNorm of the new residual: one pass instead of two ops
+template <typename T>
+void add_rms_norm_rows(const T* __restrict x, T* __restrict res, const T* __restrict w, T* __restrict out,
+                       int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * n;
+      T* rr = res + r * n;
+      T* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) rr[i] = from_f<T>(to_f(rr[i]) + to_f(xr[i]));
+      float ss = 0.f;  // a separate pass, shaped as in rms_norm_rows, so the sum of squares adds up in the same order
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = to_f(rr[i]);
+        ss += v * v;
+      }
+      const float rs = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      for (int64_t i = 0; i < n; ++i) o[i] = from_f<T>(to_f(w[i]) * to_f(from_f<T>(to_f(rr[i]) * rs)));
+    }
+  });
+}
+
+// Rotary embedding of q and k (HF's rotate_half form, rounded where torch rounds: x * cos, rotated * sin, their sum)
+// and the store of k and v into their cache slots, for one step's fused qkv rows [T, (H + 2 KV) * D].
+template <typename T>
+void rope_store_rows(const T* __restrict qkv, const T* __restrict cos, const T* __restrict sin,
+                     const int64_t* __restrict slots, T* __restrict q_out, T* __restrict k_cache,
+                     T* __restrict v_cache, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d) {
+  const int64_t half = d / 2, width = (heads + 2 * kv_heads) * d;
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = qkv + t * width;
+      const T* c = cos + t * d;
+      const T* s = sin + t * d;
+      const int64_t slot = slots[t];
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        const T* x = row + h * d;
+        T* o = h < heads ? q_out + (t * heads + h) * d
+                         : (slot >= 0 ? k_cache + (slot * kv_heads + h - heads) * d : nullptr);
+        if (o == nullptr) continue;
+        for (int64_t i = 0; i < d; ++i) {
+          const float rot = i < half ? -to_f(x[i + half]) : to_f(x[i - half]);
+          const float a = to_f(from_f<T>(to_f(x[i]) * to_f(c[i])));
+          const float b = to_f(from_f<T>(rot * to_f(s[i])));
+          o[i] = from_f<T>(a + b);
+        }
+      }
+      if (slot >= 0) std::memcpy(v_cache + slot * kv_heads * d, row + (heads + kv_heads) * d, kv_heads * d * sizeof(T));
+    }
+  });
+}
+
 template <typename T>
 void silu_mul_rows(const T* __restrict gu, T* __restrict out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
@@ -106,7 +157,51 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() &&
+                  weight.is_contiguous() && weight.numel() == x.size(1),
+              "add_rms_norm expects x and residual [rows, n] contiguous and weight [n]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: dtypes must match");
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& slot_mapping, at::Tensor k_cache, at::Tensor v_cache, int64_t heads) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(), "rope_store: caches must be [blocks, block_size, kv_heads, d]");
+  const int64_t kv_heads = k_cache.size(2), d = k_cache.size(3), tokens = qkv.size(0);
+  TORCH_CHECK(d % 2 == 0 && qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * d,
+              "rope_store: qkv must be [tokens, (heads + 2 * kv_heads) * head_dim] contiguous");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * d && sin.numel() == tokens * d,
+              "rope_store: cos/sin must hold [tokens, head_dim]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == tokens,
+              "rope_store: slot_mapping must be [tokens] int64");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
+                  k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
+              "rope_store: dtypes must match");
+  TORCH_CHECK(slot_mapping.numel() == 0 || slot_mapping.max().item<int64_t>() < k_cache.size(0) * k_cache.size(1),
+              "rope_store: slot out of range");
+  at::Tensor q = at::empty({tokens, heads, d}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store", [&] {
+    rope_store_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                              slot_mapping.data_ptr<int64_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                              v_cache.data_ptr<scalar_t>(), tokens, heads, kv_heads, d);
+  });
+  return q;
+}
+
 TORCH_LIBRARY_FRAGMENT(rtserve_cpu, m) {
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
+  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "int heads) -> Tensor");
+  m.impl("rope_store", c10::DispatchKey::CPU, TORCH_FN(rope_store));
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
