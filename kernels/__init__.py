@@ -128,10 +128,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Rotary embedding of q and k in a step's fused qkv rows [T, (H + 2 KV) * D], k and v stored into their cache
-    slots (-1 = skip); returns q [T, H, D]. 16-bit CPU rows take one C++ pass with torch's rounding points; everything
-    else (fp32, which keeps HF's op order, and CUDA) the torch ops and `store_kvcache`."""
+    slots (-1 = skip); returns q [T, H, D]. 16-bit CPU rows on the torch backend take one C++ pass with torch's
+    rounding points; everything else (fp32, which keeps HF's op order, the Triton backend) the torch rope and the
+    backend's `store_kvcache`."""
     T, (kv_heads, d) = qkv.shape[0], k_cache.shape[2:]
-    op = cpu_ext.rope_store() if qkv.device.type == "cpu" and qkv.dtype != torch.float32 else None
+    fused = qkv.device.type == "cpu" and qkv.dtype != torch.float32 and resolve_backend(qkv.device) == "torch"
+    op = cpu_ext.rope_store() if fused else None
     if op is not None and qkv.is_contiguous() and k_cache.dtype == qkv.dtype:
         return op(qkv, cos.reshape(T, d), sin.reshape(T, d), slot_mapping, k_cache, v_cache, num_heads)
     qk, v = qkv.split([(num_heads + kv_heads) * d, kv_heads * d], dim=-1)
