@@ -6,7 +6,6 @@ logits only at the last position of requests whose chunk reaches their end.
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -57,7 +56,7 @@ class ModelRunner:
             if self.device.type != "cpu":
                 raise ModelLoadError("quantization='gguf' runs on the CPU only (torch's 4-bit kernel for CPU)")
             attach_gguf_q4(self.model, q4_gguf, model_dir)
-        if self.device.type == "cpu" and os.environ.get("RTSERVE_AMX", "1") != "0":
+        if self.device.type == "cpu":
             self.model.pack_weights()
         self.load_seconds = time.perf_counter() - t0
         self.config = self.model.config

@@ -52,10 +52,9 @@ AMX_MAX_ROWS = 64   # packed AMX GEMM up to this many rows: 1.2-5x oneDNN at 1-6
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [N, K] in the AMX tile order of `linear` (kernels/csrc/amx_linear.cpp), or None where that kernel does not
-    apply: not bf16, not on an AMX CPU with the C++ ops built, or N or K not a multiple of 32."""
-    lib = cpu_ext.ops() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
+    apply: not bf16 on the CPU, no AMX (or `RTSERVE_AMX=0`), or N or K not a multiple of 32."""
     n, k = weight.shape
-    if lib is None or n % 32 or k % 32 or not lib.amx_available():
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or n % 32 or k % 32 or not amx_available():
         return None
     # [N, K] -> [N/32 column blocks, K/32 k blocks, 2 tiles of 16 columns, 16 k pairs, 16 columns x 2 k]
     return weight.detach().view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(
@@ -72,6 +71,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def amx_available() -> bool:
+    """The AMX kernels can run: an AMX CPU, the C++ ops built, and not switched off (`RTSERVE_AMX=0`, for A/B runs)."""
+    if os.environ.get("RTSERVE_AMX", "1") == "0":
+        return False
     lib = cpu_ext.ops()
     return lib is not None and lib.amx_available()
 

@@ -56,8 +56,6 @@ class Q4Linear(nn.Module):
     q + 128 = 16 * hi + lo split into two 4-bit matrices that together still read half the bytes of bf16. On an AMX CPU
     with bf16 weights they are also packed for `kernels.linear_gguf`."""
 
-    packed = None   # no bf16 AMX copy: the blocks serve the sizes it would
-
     def __init__(self, dense: nn.Linear, blocks: "GgufBlocks"):
         super().__init__()
         self.weight, self.bias = dense.weight, dense.bias
@@ -66,9 +64,6 @@ class Q4Linear(nn.Module):
             self.amx = blocks.pack_amx()
         self.planes = blocks.planes(self.weight.dtype)
         self.int4_max_rows = MAX_ROWS if self.amx is None else INT4_MAX_ROWS
-
-    def pack(self) -> None:
-        pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
