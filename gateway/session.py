@@ -257,9 +257,30 @@ class RealtimeSession:
         item = self.conversation.get(item_id)
         if item.type != "message" or item.role != "assistant":
             raise p.ProtocolError("Only assistant messages can be truncated.", "invalid_value", "item_id")
+        resp = self.active
+        if resp is not None and resp.item is item and resp.task is not None:
+            # The item is still being generated: the client stopped playing it (barge-in). SDK clients send
+            # response.cancel and the truncate back to back, before response.done; a bare truncate means the same.
+            # Stop the reply (response.done, cancelled), then truncate what was generated up to there.
+            self.cancel_response("client_cancelled")
+            event_id = p.client_event_id(event)
+            resp.task.add_done_callback(lambda _: self._truncate_after_response(item, index, end_ms, event_id))
+            return
+        self._truncate(item, index, end_ms)
+
+    def _truncate_after_response(self, item: Item, index: int, end_ms: int, event_id) -> None:
+        if self.closed.is_set():
+            return
+        try:
+            self.conversation.get(item.id)
+            self._truncate(item, index, end_ms)
+        except p.ProtocolError as err:
+            self.send(p.error_event(err, event_id))
+
+    def _truncate(self, item: Item, index: int, end_ms: int) -> None:
         if index >= len(item.content):
             raise p.bad_value("content_index", index, f"an index below {len(item.content)}")
-        self._check_not_generating(item_id)
+        item_id = item.id
         truncate_part(item, index, end_ms)
         self._rollback_history(item)
         self.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": index,

@@ -4,6 +4,7 @@ when the user goes on and sent when the turn ends. Real speech synthesized in th
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import pytest
 
@@ -15,6 +16,34 @@ pytestmark = pytest.mark.slow
 
 def block_size(server) -> int:
     return getattr(getattr(getattr(server.engine, "engine", None), "args", None), "block_size", 16)
+
+
+async def test_truncate_while_the_reply_is_still_generated(server):
+    """Barge-in as SDK clients do it: response.cancel and conversation.item.truncate back to back, before response.done
+    (and a bare truncate, which means the same). The server stops the reply, sends response.done (cancelled), then
+    truncates what was generated to what was heard; no error."""
+    raw = await open_voice(server, {**VOICE_SESSION, "max_output_tokens": 150,
+                                    "instructions": "You are a storyteller. Tell long stories, ten sentences or more."})
+    for bare in (False, True):
+        await raw.send({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]}})
+        await raw.until("conversation.item.done")
+        await raw.send({"type": "response.create"})
+        first = (await raw.until("response.output_audio.delta"))[-1]
+        item_id = first["item_id"]
+        heard_ms = len(base64.b64decode(first["delta"])) // 2 * 1000 // 24000 // 2
+        if not bare:
+            await raw.send({"type": "response.cancel"})
+        await raw.send({"type": "conversation.item.truncate", "event_id": "cut", "item_id": item_id, "content_index": 0,
+                        "audio_end_ms": heard_ms})
+        events = await raw.until("conversation.item.truncated")
+        assert not [e for e in events if e["type"] == "error"], events
+        done = [e for e in events if e["type"] == "response.done"]
+        assert len(done) == 1 and done[0]["response"]["status"] == "cancelled", done
+        assert events[-1]["item_id"] == item_id and events[-1]["audio_end_ms"] == heard_ms
+        session = server.app.state.sessions[raw.session_id]
+        assert session.active is None and session.conversation.get(item_id).audio_ms[0] == heard_ms
+    await raw.ws.close()
 
 
 async def test_truncate_rolls_back_history(server):
