@@ -63,9 +63,21 @@ bool amx_usable() {
 }
 
 #ifdef RTSERVE_AMX
+// The fp32 accumulators of one 32x32 output block (+ bias) into `rows` rows of y at column block nb, rounded once to
+// bf16 (nearest even); Y points at the block's first row.
+inline void write_rows(const float (*c)[32], int64_t rows, const float* bias, int64_t nb, uint16_t* Y, int64_t N) {
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias + nb * kBlockN) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + nb * kBlockN + 16) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 lo = _mm512_add_ps(_mm512_load_ps(&c[r][0]), b0);
+    const __m512 hi = _mm512_add_ps(_mm512_load_ps(&c[r][16]), b1);
+    _mm512_storeu_si512(Y + r * N + nb * kBlockN, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
 // y[:, nb*32 : nb*32+32] = A @ block^T for one column block whose KB tile pairs lie at `wb` (tile layout above).
 // A is x in tile order (see `prepare`); tiles are configured by the caller's thread.
-inline void gemm_block(const uint16_t* A, int64_t M, int64_t Mp, int64_t K, const uint16_t* wb, int64_t KB,
+inline void gemm_block(const uint16_t* A, int64_t M, int64_t Mp, const uint16_t* wb, int64_t KB,
                        const float* bias, int64_t nb, uint16_t* Y, int64_t N) {
   alignas(64) float c[32][32];
   for (int64_t m = 0; m < Mp; m += 32) {
@@ -102,15 +114,7 @@ inline void gemm_block(const uint16_t* A, int64_t M, int64_t Mp, int64_t K, cons
     }
     _tile_stored(0, &c[0][0], 128);
     _tile_stored(1, &c[0][16], 128);
-    const int64_t rows = std::min<int64_t>(32, M - m);
-    const __m512 b0 = bias ? _mm512_loadu_ps(bias + nb * kBlockN) : _mm512_setzero_ps();
-    const __m512 b1 = bias ? _mm512_loadu_ps(bias + nb * kBlockN + 16) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < rows; ++r) {
-      uint16_t* y = Y + (m + r) * N + nb * kBlockN;
-      const __m512 lo = _mm512_add_ps(_mm512_load_ps(&c[r][0]), b0);
-      const __m512 hi = _mm512_add_ps(_mm512_load_ps(&c[r][16]), b1);
-      _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // round to nearest even
-    }
+    write_rows(c, std::min<int64_t>(32, M - m), bias, nb, Y + m * N, N);
   }
 }
 
@@ -164,7 +168,7 @@ inline void dequant_q8_0(const uint8_t* qs, const at::Half* dm, uint16_t* out) {
 // One column block for Mp <= 32 (two row tiles at most): each tile pair is dequantized into slot kb % 4 of `ring` and
 // loaded at once, so the bf16 weights never leave L1.
 template <bool Q4>
-inline void gemm_block_fused(const uint16_t* A, int64_t M, int64_t Mp, int64_t K, const uint8_t* q, const at::Half* d,
+inline void gemm_block_fused(const uint16_t* A, int64_t M, int64_t Mp, const uint8_t* q, const at::Half* d,
                              int64_t KB, const float* bias, int64_t nb, uint16_t* Y, int64_t N, uint16_t* ring) {
   alignas(64) float c[32][32];
   const bool two = Mp > 16;
@@ -196,21 +200,13 @@ inline void gemm_block_fused(const uint16_t* A, int64_t M, int64_t Mp, int64_t K
   _tile_stored(1, &c[0][16], 128);
   _tile_stored(2, &c[16][0], 128);
   _tile_stored(3, &c[16][16], 128);
-  const int64_t rows = std::min<int64_t>(32, M);
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias + nb * kBlockN) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + nb * kBlockN + 16) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    uint16_t* y = Y + r * N + nb * kBlockN;
-    const __m512 lo = _mm512_add_ps(_mm512_load_ps(&c[r][0]), b0);
-    const __m512 hi = _mm512_add_ps(_mm512_load_ps(&c[r][16]), b1);
-    _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
+  write_rows(c, std::min<int64_t>(32, M), bias, nb, Y, N);
 }
 #endif
 
 struct Prepared {
   at::Tensor out, a, bias_f;
-  int64_t M, Mp, K;
+  int64_t M, Mp;
   const float* bias = nullptr;
 };
 
@@ -220,7 +216,6 @@ Prepared prepare(const at::Tensor& x, int64_t K, int64_t N, const c10::optional<
   TORCH_CHECK(x.size(1) == K, "amx_linear: x has ", x.size(1), " features, the packed weight ", K);
   Prepared p;
   p.M = x.size(0);
-  p.K = K;
   p.out = at::empty({p.M, N}, x.options());
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "amx_linear: bias has ", bias->numel(), " elements, expected ", N);
@@ -270,7 +265,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
     configure_tiles();
     for (int64_t nb = nb0; nb < nb1; ++nb)
-      gemm_block(A, p.M, p.Mp, p.K, W + nb * KB * kBlockElems, KB, p.bias, nb, Y, N);
+      gemm_block(A, p.M, p.Mp, W + nb * KB * kBlockElems, KB, p.bias, nb, Y, N);
     _tile_release();
   });
 #endif
@@ -308,9 +303,9 @@ at::Tensor amx_linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::
       const at::Half* d = D + nb * KB * d_block;
       if (p.Mp <= 32) {
         if (q4)
-          gemm_block_fused<true>(A, p.M, p.Mp, p.K, q, d, KB, p.bias, nb, Y, N, buf.get());
+          gemm_block_fused<true>(A, p.M, p.Mp, q, d, KB, p.bias, nb, Y, N, buf.get());
         else
-          gemm_block_fused<false>(A, p.M, p.Mp, p.K, q, d, KB, p.bias, nb, Y, N, buf.get());
+          gemm_block_fused<false>(A, p.M, p.Mp, q, d, KB, p.bias, nb, Y, N, buf.get());
         continue;
       }
       for (int64_t kb = 0; kb < KB; ++kb) {
@@ -319,7 +314,7 @@ at::Tensor amx_linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::
         else
           dequant_q8_0(q + kb * q_block, d + kb * d_block, buf.get() + kb * kBlockElems);
       }
-      gemm_block(A, p.M, p.Mp, p.K, buf.get(), KB, p.bias, nb, Y, N);
+      gemm_block(A, p.M, p.Mp, buf.get(), KB, p.bias, nb, Y, N);
     }
     _tile_release();
   });
