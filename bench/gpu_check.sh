@@ -3,7 +3,9 @@
 # Run from anywhere:  bash bench/gpu_check.sh      Results: $OUT (or ./gpu_results): summary.txt, gpu_check.log,
 # junit XML of each test run, kernel_bench.json, throughput output. Every step has its own timeout and a shared
 # deadline; a failing step is recorded and the script goes on (exit status: number of failed steps).
-# GPU_CHECK_PY=/path/to/python skips the venv and installs; GPU_CHECK_BUDGET_S sets the deadline (default 470 s).
+# GPU_CHECK_PY=/path/to/python skips the venv and installs; GPU_CHECK_BUDGET_S sets the deadline (default 470 s);
+# GPU_CHECK_PHASES picks the phases (default "kernels engine": kernel tests + micro-bench, then the engine tests and
+# throughput, which need the model, so an offline machine can run them in two calls).
 set -uo pipefail
 set -x
 cd "$(dirname "$0")/.."
@@ -15,6 +17,7 @@ exec > >(tee -a "$RES/gpu_check.log") 2>&1
 SUMMARY="$RES/summary.txt"
 : > "$SUMMARY"
 FAILED=0
+PHASES=${GPU_CHECK_PHASES:-kernels engine}
 VENV=${GPU_VENV:-.venv-gpu}
 PY="$VENV/bin/python"
 unset TRITON_INTERPRET
@@ -53,6 +56,7 @@ fi
 step versions 30 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 
+if [[ " $PHASES " == *" kernels "* ]]; then
 # --- kernel tests on CUDA tensors (same tests as on CPU, compiled instead of interpreted) -------------------------
 step test-kernels 150 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_kernels.py \
   --junitxml="$RES/test_triton_kernels.xml"
@@ -94,7 +98,9 @@ for name, specs in cases.items():
     print(name, res[name], flush=True)
 json.dump(res, open(sys.argv[1], "w"), indent=1)
 PYEOF
+fi
 
+if [[ " $PHASES " == *" engine "* ]]; then
 # --- engine end to end on CUDA: Triton backend vs torch backend, greedy tokens -----------------------------------
 step test-engine 120 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_engine.py \
   --junitxml="$RES/test_triton_engine.xml"
@@ -103,14 +109,16 @@ step test-engine 120 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_trito
 if [[ -f bench/throughput.py ]]; then
   "$PY" -m gateway.cli bench throughput --help > "$RES/throughput_help.txt" 2>&1 || true
   ARGS=()
-  for kv in "--attention-backend triton" "--dtype bfloat16" "--device cuda" "--num-requests 64" "--seed 0"; do
+  for kv in "--attention-backend triton" "--dtype bfloat16" "--device cuda" "--num-requests 32" "--seed 0" \
+            "--no-gguf-row"; do
     grep -q -- "${kv%% *}" "$RES/throughput_help.txt" && ARGS+=($kv)
   done
   step bench-triton 150 bash -c "'$PY' -m gateway.cli bench throughput ${ARGS[*]} > '$RES/throughput_triton.txt' 2>&1"
-  step bench-torch 90 bash -c "'$PY' -m gateway.cli bench throughput ${ARGS[*]/triton/torch} \
+  step bench-torch 90 bash -c "'$PY' -m gateway.cli bench throughput ${ARGS[*]/triton/torch} --skip-hf \
     > '$RES/throughput_torch.txt' 2>&1"
 else
   echo "bench-throughput SKIPPED (no bench/throughput.py)" | tee -a "$SUMMARY"
+fi
 fi
 
 echo "failed steps: $FAILED, total $(( $(date +%s) - START ))s" | tee -a "$SUMMARY"

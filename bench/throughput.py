@@ -49,21 +49,22 @@ def print_engine(label: str, eng: dict) -> None:
           f"kv waste {eng['kv_waste']:.2%})", flush=True)
 
 
-def load_hf(dtype: str):
+def load_hf(dtype: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     from engine.models.loader import resolve_model_dir
-    return AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=DTYPES[dtype]).eval()
+    return AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=DTYPES[dtype]).to(device).eval()
 
 
 @torch.inference_mode()
 def bench_hf_sequential(model, prompts, outputs) -> dict:
-    model.generate(torch.tensor([prompts[0][:32]]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+    dev = model.device
+    model.generate(torch.tensor([prompts[0][:32]], device=dev), max_new_tokens=4, min_new_tokens=4, do_sample=False,
                    pad_token_id=0)
     t0 = time.perf_counter()
     n = 0
     for p, o in zip(prompts, outputs):
-        out = model.generate(torch.tensor([p]), max_new_tokens=o, min_new_tokens=o, do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor([p], device=dev), max_new_tokens=o, min_new_tokens=o, do_sample=False, pad_token_id=0)
         n += out.shape[1] - len(p)
     elapsed = time.perf_counter() - t0
     return {"elapsed": elapsed, "tokens": n, "tok_s": n / elapsed}
@@ -72,13 +73,15 @@ def bench_hf_sequential(model, prompts, outputs) -> dict:
 @torch.inference_mode()
 def bench_hf_static(model, prompts, outputs, batch_size: int = 8) -> dict:
     """Static batching: left-pad each batch of 8, run until its longest output is done; count only useful tokens."""
+    model.generate(torch.tensor([prompts[0][:32]] * 2, device=model.device), max_new_tokens=4, min_new_tokens=4,
+                   do_sample=False, pad_token_id=0)   # warm-up (on a GPU: context, kernels, allocator)
     t0 = time.perf_counter()
     n = 0
     for i in range(0, len(prompts), batch_size):
         ps, os_ = prompts[i:i + batch_size], outputs[i:i + batch_size]
         width = max(map(len, ps))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=model.device)
         model.generate(ids, attention_mask=mask, max_new_tokens=max(os_), min_new_tokens=max(os_), do_sample=False,
                        pad_token_id=0)
         n += sum(os_)
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print_engine(dtype, eng)
         seq = stat = None
         if not args.skip_hf:
-            model = load_hf(dtype)
+            model = load_hf(dtype, args.device)
             stat = bench_hf_static(model, prompts, outputs)
             print(f"[{dtype}] HF static batch 8: {stat['tok_s']:.1f} tok/s ({stat['elapsed']:.1f} s)", flush=True)
             seq = bench_hf_sequential(model, prompts, outputs)
