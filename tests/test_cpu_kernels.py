@@ -59,6 +59,30 @@ def test_op_writes_only_the_decode_rows():
     assert sorted(plan.decode_rows.tolist()) == [int(cu[i]) for i, (n, _) in enumerate(SPECS) if n == 1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_whole_sequence_tasks_equal_per_head_tasks(dtype):
+    """With many decodes a task takes all kv heads of a sequence (and prefetches the other heads' lines); with few,
+    one head. Both compute each head the same way, so the outputs are equal bit for bit, and match the reference."""
+    specs = [(1, c) for c in (17, 1, 300, 16, 33, 64, 5, 250, 129, 48, 90, 31)] + [(12, 40)]
+    q, k_cache, v_cache, cu, seq_lens, tables = _batch(specs, 16, 3, 3, 64, dtype, seed=5)
+    plan = torch_ops._plan(cu, seq_lens, tables, 16, grouped=False)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 64):   # 12 decodes: >= 4 per thread at 1 thread (whole sequences), < 4 at 64 threads (per head)
+            torch.set_num_threads(n)
+            out = torch.zeros_like(q)
+            cpu_ext.paged_decode()(q, k_cache, v_cache, tables, seq_lens, plan.decode_rows, plan.decode_seqs, 0.125,
+                                   out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    ref = reference(q, k_cache, v_cache, cu, seq_lens, tables, 0.125)
+    rows = plan.decode_rows
+    torch.testing.assert_close(outs[0][rows].double(), ref[rows], atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @pytest.mark.parametrize("rows", [1, 7, 512])
 def test_rms_norm_rounds_where_hf_rounds(rows):
     """bf16 RMSNorm rounds where HF's LlamaRMSNorm does (fp32 normalise, round, multiply by the bf16 weight, round):

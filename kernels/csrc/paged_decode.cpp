@@ -96,12 +96,25 @@ static inline v16f reduce16(const v16f* v) {
          __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// Touch bytes [from, to) of a cache row so that they are in flight while the current head computes.
+static inline void prefetch_bytes(const void* row, int64_t from, int64_t to) {
+  for (int64_t off = from; off < to; off += 64) __builtin_prefetch(static_cast<const char*>(row) + off, 0, 3);
+}
+
 template <typename scalar_t, int G>
 static void decode_d64(const Batch<scalar_t>& b) {
-  at::parallel_for(0, b.nd * b.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Decode attention is bound by memory, not arithmetic: a token's keys for all kv heads are one contiguous row
+  // (kv_heads x 128 bytes in bf16), but a task per (sequence, kv head) reads 2 of every 6 lines, a strided pattern the
+  // hardware prefetchers follow badly. With enough sequences to keep the threads busy a task takes a whole sequence,
+  // and the first head's pass prefetches the other heads' lines of each row, so each row is fetched as one stream and
+  // the later heads read from cache. 30 layers x 32 sequences x 200 tokens: ~18.5 -> ~12.5 ms (scattered blocks).
+  const int64_t heads_per_task = b.nd >= 4 * at::get_num_threads() ? b.kv_heads : 1;
+  const int64_t row_bytes = b.slot_stride * static_cast<int64_t>(sizeof(scalar_t)), head_bytes = 64 * sizeof(scalar_t);
+  at::parallel_for(0, b.nd * b.kv_heads / heads_per_task, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = begin * heads_per_task; task < end * heads_per_task; ++task) {
       const int64_t i = task / b.kv_heads, h = task % b.kv_heads, seq = b.seqs[i], ctx = b.lens[seq];
+      const bool prefetch = heads_per_task > 1 && h == 0;
       const int32_t* table = b.tables + seq * b.max_blocks;
       const scalar_t* q_row = b.q + b.rows[i] * b.q_stride + h * G * 64;
       scores.resize(G * ctx);
@@ -117,6 +130,7 @@ static void decode_d64(const Batch<scalar_t>& b) {
           v16f prod[G][16];
           for (int o = 0; o < 16; ++o) {
             const scalar_t* k = kb + (o0 + o) * b.slot_stride;
+            if (prefetch) prefetch_bytes(k, head_bytes, row_bytes);
             const v16f k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
             for (int g = 0; g < G; ++g) prod[g][o] = q[g][0] * k0 + q[g][1] * k1 + q[g][2] * k2 + q[g][3] * k3;
           }
@@ -128,6 +142,7 @@ static void decode_d64(const Batch<scalar_t>& b) {
         }
         for (int64_t o = n / 16 * 16; o < n; ++o) {
           const scalar_t* k = kb + o * b.slot_stride;
+          if (prefetch) prefetch_bytes(k, head_bytes, row_bytes);
           const v16f k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
           for (int g = 0; g < G; ++g) {  // the G heads as independent chains
             const float s = hsum(q[g][0] * k0 + q[g][1] * k1 + q[g][2] * k2 + q[g][3] * k3);
@@ -149,6 +164,7 @@ static void decode_d64(const Batch<scalar_t>& b) {
         const int64_t n = std::min(b.block_size, ctx - t0);
         for (int64_t o = 0; o < n; ++o) {
           const scalar_t* v = vb + o * b.slot_stride;
+          if (prefetch) prefetch_bytes(v, head_bytes, row_bytes);
           const v16f v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
           for (int g = 0; g < G; ++g) {
             const float p = scores[g * ctx + t0 + o];
