@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+import kernels
+
 from engine.request import Request
 
 
@@ -55,7 +57,7 @@ class Sampler:
         for row, r in enumerate(requests):
             if r.params.needs_penalties:
                 apply_penalties(logits[row], r)
-        tokens = logits.argmax(-1)
+        tokens = kernels.argmax(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             rows = torch.tensor(random_rows)

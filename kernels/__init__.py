@@ -145,6 +145,14 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     return q
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Per-row argmax of fp32 [rows, vocab] logits with torch.argmax's rules (first index on ties, NaN wins); C++ on
+    the CPU when built (torch's CPU argmax is single-threaded and scalar), else torch."""
+    op = cpu_ext.argmax_rows() if logits.device.type == "cpu" and logits.dim() == 2 and \
+        logits.dtype == torch.float32 and logits.shape[1] > 0 else None
+    return op(logits) if op is not None else logits.argmax(-1)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for [rows, 2 * inter] laid out gate | up (C++ on the CPU when built, else torch)."""
     op = cpu_ext.silu_and_mul() if gate_up.device.type == "cpu" and gate_up.dim() == 2 else None

@@ -6,6 +6,7 @@ C++ compiler or ninja) or `RTSERVE_CPU_EXT=0`; the pure-torch code then serves, 
 - `rms_norm`, `silu_and_mul`, `add_rms_norm` (residual add fused into the norm), `rope_store` (rotary embedding of q
   and k fused with the KV-cache store): 16-bit only, fp32 math per row, rounded where torch rounds (layer_ops.cpp).
 - `amx_linear`, `amx_linear_gguf`: bf16 linear layers on AMX tiles (amx_linear.cpp).
+- `argmax_rows`: greedy sampling's argmax over fp32 logits rows, torch.argmax's tie and NaN rules (layer_ops.cpp).
 """
 from __future__ import annotations
 
@@ -71,3 +72,7 @@ def add_rms_norm():
 
 def rope_store():
     return _op("rope_store")
+
+
+def argmax_rows():
+    return _op("argmax_rows")

@@ -151,3 +151,23 @@ def test_rope_and_store_matches_the_torch_ops(heads, kv_heads, head_dim, dtype, 
     untouched = torch.ones(blocks * bs, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     assert bool((caches[True][1].view(blocks * bs, -1)[untouched] == 7.0).all())
+
+
+def test_argmax_follows_torch_rules():
+    """Greedy sampling's argmax (C++): torch.argmax's answer on every row, ties (first index), NaN (first NaN wins),
+    rows of -inf, +inf, and widths that are and are not multiples of the 16-lane vectors."""
+    assert cpu_ext.argmax_rows() is not None
+    g = torch.Generator().manual_seed(0)
+    for shape in [(32, 49152), (1, 49152), (3, 17), (5, 1), (2, 100003), (7, 16)]:
+        x = torch.randn(*shape, generator=g)
+        assert torch.equal(kernels.argmax(x), x.argmax(-1)), shape
+    x = torch.zeros(7, 1000)
+    x[0, 999] = float("nan")                         # NaN in the scalar tail
+    x[1, 5] = x[1, 7] = float("nan")                 # two NaNs in the vector body
+    x[2, :] = float("-inf")
+    x[3, 10] = x[3, 900] = 1.0                       # tie: the first
+    x[4, :] = float("nan")
+    x[5, 40], x[5, 3] = float("inf"), float("-inf")
+    x[6] = torch.randn(1000, generator=g).round()    # many ties
+    assert torch.equal(kernels.argmax(x), x.argmax(-1))
+    assert kernels.argmax(x).tolist()[:6] == [999, 5, 0, 10, 0, 40]
