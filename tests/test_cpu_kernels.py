@@ -38,9 +38,11 @@ def test_the_cpp_op_builds_here():
 @pytest.mark.parametrize("ext", [True, False], ids=["cpp-op", "pure-torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("group,head_dim", [(3, 64), (1, 64), (4, 64), (2, 32)])
-def test_mixed_batch_matches_reference(ext, dtype, group, head_dim, monkeypatch):
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+def test_mixed_batch_matches_reference(ext, dtype, group, head_dim, block_size, monkeypatch):
     monkeypatch.setenv("RTSERVE_CPU_EXT", "1" if ext else "0")
-    q, k_cache, v_cache, cu, seq_lens, tables = _batch(SPECS, 16, 2, group, head_dim, dtype, seed=group * head_dim)
+    q, k_cache, v_cache, cu, seq_lens, tables = _batch(SPECS, block_size, 2, group, head_dim, dtype,
+                                                       seed=group * head_dim)
     scale = head_dim ** -0.5
     out = torch_ops.paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, scale)
     ref = reference(q, k_cache, v_cache, cu, seq_lens, tables, scale)
@@ -60,12 +62,13 @@ def test_op_writes_only_the_decode_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_whole_sequence_tasks_equal_per_head_tasks(dtype):
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_whole_sequence_tasks_equal_per_head_tasks(dtype, block_size):
     """With many decodes a task takes all kv heads of a sequence (and prefetches the other heads' lines); with few,
     one head. Both compute each head the same way, so the outputs are equal bit for bit, and match the reference."""
     specs = [(1, c) for c in (17, 1, 300, 16, 33, 64, 5, 250, 129, 48, 90, 31)] + [(12, 40)]
-    q, k_cache, v_cache, cu, seq_lens, tables = _batch(specs, 16, 3, 3, 64, dtype, seed=5)
-    plan = torch_ops._plan(cu, seq_lens, tables, 16, grouped=False)
+    q, k_cache, v_cache, cu, seq_lens, tables = _batch(specs, block_size, 3, 3, 64, dtype, seed=5)
+    plan = torch_ops._plan(cu, seq_lens, tables, block_size, grouped=False)
     threads = torch.get_num_threads()
     outs = []
     try:

@@ -123,32 +123,51 @@ static void decode_d64(const Batch<scalar_t>& b) {
         for (int c = 0; c < 4; ++c) q[g][c] = load16(q_row + g * 64 + c * 16) * b.scale;
       float mx[G];
       for (int g = 0; g < G; ++g) mx[g] = -3.0e38f;
-      for (int64_t t0 = 0; t0 < ctx; t0 += b.block_size) {  // scores = q . k, block by block (no division per token)
-        const scalar_t* kb = b.k + b.slot(table, t0, h);
-        const int64_t n = std::min(b.block_size, ctx - t0);
-        for (int64_t o0 = 0; o0 + 16 <= n; o0 += 16) {  // 16 tokens of this block: products, then one reduction
-          v16f prod[G][16];
-          for (int o = 0; o < 16; ++o) {
-            const scalar_t* k = kb + (o0 + o) * b.slot_stride;
-            if (prefetch) prefetch_bytes(k, head_bytes, row_bytes);
-            const v16f k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
-            for (int g = 0; g < G; ++g) prod[g][o] = q[g][0] * k0 + q[g][1] * k1 + q[g][2] * k2 + q[g][3] * k3;
-          }
-          for (int g = 0; g < G; ++g) {
-            const v16f sv = reduce16(prod[g]);
-            std::memcpy(&scores[g * ctx + t0 + o0], &sv, sizeof(sv));
-            for (int x = 0; x < 16; ++x) mx[g] = sv[x] > mx[g] ? sv[x] : mx[g];
-          }
-        }
-        for (int64_t o = n / 16 * 16; o < n; ++o) {
-          const scalar_t* k = kb + o * b.slot_stride;
+      // scores = q . k, 16 tokens at a time (products, then one reduction for the 16), any rest one by one
+      auto group16 = [&](auto row_at, int64_t t) {
+        v16f prod[G][16];
+        for (int o = 0; o < 16; ++o) {
+          const scalar_t* k = row_at(o);
           if (prefetch) prefetch_bytes(k, head_bytes, row_bytes);
           const v16f k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
-          for (int g = 0; g < G; ++g) {  // the G heads as independent chains
-            const float s = hsum(q[g][0] * k0 + q[g][1] * k1 + q[g][2] * k2 + q[g][3] * k3);
-            scores[g * ctx + t0 + o] = s;
-            mx[g] = s > mx[g] ? s : mx[g];
+          for (int g = 0; g < G; ++g) prod[g][o] = q[g][0] * k0 + q[g][1] * k1 + q[g][2] * k2 + q[g][3] * k3;
+        }
+        for (int g = 0; g < G; ++g) {
+          const v16f sv = reduce16(prod[g]);
+          std::memcpy(&scores[g * ctx + t], &sv, sizeof(sv));
+          for (int x = 0; x < 16; ++x) mx[g] = sv[x] > mx[g] ? sv[x] : mx[g];
+        }
+      };
+      auto single = [&](const scalar_t* k, int64_t t) {
+        if (prefetch) prefetch_bytes(k, head_bytes, row_bytes);
+        const v16f k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+        for (int g = 0; g < G; ++g) {  // the G heads as independent chains
+          const float sc = hsum(q[g][0] * k0 + q[g][1] * k1 + q[g][2] * k2 + q[g][3] * k3);
+          scores[g * ctx + t] = sc;
+          mx[g] = sc > mx[g] ? sc : mx[g];
+        }
+      };
+      if (b.block_size % 16 == 0) {  // groups inside a block: rows at a fixed stride (no division per token)
+        for (int64_t t0 = 0; t0 < ctx; t0 += b.block_size) {
+          const scalar_t* kb = b.k + b.slot(table, t0, h);
+          const int64_t n = std::min(b.block_size, ctx - t0);
+          for (int64_t o0 = 0; o0 + 16 <= n; o0 += 16)
+            group16([&](int o) { return kb + (o0 + o) * b.slot_stride; }, t0 + o0);
+          for (int64_t o = n / 16 * 16; o < n; ++o) single(kb + o * b.slot_stride, t0 + o);
+        }
+      } else {  // smaller blocks (e.g. 8): a group spans blocks, rows walked along the block table
+        const scalar_t* rows16[16];
+        int64_t blk = 0, off = 0;  // block-table entry and row of the next token
+        for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+          const int64_t n = std::min<int64_t>(16, ctx - t0);
+          for (int64_t o = 0; o < n; ++o) {
+            rows16[o] = b.k + (static_cast<int64_t>(table[blk]) * b.block_size + off) * b.slot_stride + h * 64;
+            if (++off == b.block_size) off = 0, ++blk;
           }
+          if (n == 16)
+            group16([&](int o) { return rows16[o]; }, t0);
+          else
+            for (int64_t o = 0; o < n; ++o) single(rows16[o], t0 + o);
         }
       }
       float inv[G];
