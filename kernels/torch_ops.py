@@ -127,17 +127,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask, scale=scale)
         out[g.tokens] = o.reshape(nd, num_heads, head_dim)
     for start, n, ctx, blocks, mask in plan.prefills:
-        k = _heads(k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(q.dtype), group)   # [1, h, ctx, d]
-        v = _heads(v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(q.dtype), group)
-        qi = q[start:start + n].transpose(0, 1).unsqueeze(0)                                # [1, h, n, d]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+        k = _heads(k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(q.dtype))   # [1, kvh, ctx, d]
+        v = _heads(v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(q.dtype))
+        qi = q[start:start + n].transpose(0, 1).unsqueeze(0)                        # [1, h, n, d]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=group > 1)
         out[start:start + n] = o[0].transpose(0, 1)
     return out
 
 
-def _heads(kv: torch.Tensor, group: int) -> torch.Tensor:
-    """[ctx, kvh, d] -> [1, kvh * group, ctx, d], each KV head repeated for its query heads. CPU SDPA runs its flash
-    kernel only for 4-D inputs without `enable_gqa`; anything else falls back to the math path (4-8x slower on a
-    256-512 token prefill chunk), so the few-MB copy of the repeated heads pays for itself many times."""
-    ctx, kvh, d = kv.shape
-    return kv.permute(1, 0, 2).unsqueeze(1).expand(kvh, group, ctx, d).reshape(1, kvh * group, ctx, d)
+def _heads(kv: torch.Tensor) -> torch.Tensor:
+    """[ctx, kvh, d] -> [1, kvh, ctx, d] (a view). CPU SDPA runs its flash kernel on 4-D inputs; torch 2.13's also
+    takes GQA itself (`enable_gqa`), bit for bit what repeating each KV head for its query heads gave, without the
+    copy. (3-D inputs, or older torch with `enable_gqa`, fell back to the math path, 4-8x slower on a 256-512 token
+    chunk.)"""
+    return kv.permute(1, 0, 2).unsqueeze(0)
