@@ -110,7 +110,7 @@ if [[ -f bench/throughput.py ]]; then
   "$PY" -m gateway.cli bench throughput --help > "$RES/throughput_help.txt" 2>&1 || true
   ARGS=()
   for kv in "--attention-backend triton" "--dtype bfloat16" "--device cuda" "--num-requests 32" "--seed 0" \
-            "--no-gguf-row"; do
+            "--no-gguf-row" "--repeats 1"; do
     grep -q -- "${kv%% *}" "$RES/throughput_help.txt" && ARGS+=($kv)
   done
   step bench-triton 150 bash -c "'$PY' -m gateway.cli bench throughput ${ARGS[*]} > '$RES/throughput_triton.txt' 2>&1"

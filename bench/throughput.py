@@ -103,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true", help="only measure the engine")
     ap.add_argument("--no-gguf-row", action="store_true",
                     help="skip the extra bf16 row with quantization=gguf (batches <= 8 rows on the GGUF's 4-bit blocks)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds of (engine, HF static-8), interleaved, each engine on a fresh LLM (no prefix-cache "
+                         "carry-over); a shared machine's speed drifts within minutes, so the table gives medians and "
+                         "the median of the per-round ratios. HF sequential (the long one) runs once.")
     args = ap.parse_args(argv)
 
     from engine.models.loader import resolve_model_dir
@@ -113,35 +117,58 @@ def main(argv: list[str] | None = None) -> int:
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                        device=args.device)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens, "
-          f"torch threads {torch.get_num_threads()}", flush=True)
+          f"torch threads {torch.get_num_threads()}, {args.repeats} rounds", flush=True)
     rows = []
     for dtype in (["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]):
-        eng = bench_engine(prompts, outputs, dtype, engine_args)
-        print_engine(dtype, eng)
-        seq = stat = None
-        if not args.skip_hf:
-            model = load_hf(dtype, args.device)
-            stat = bench_hf_static(model, prompts, outputs)
-            print(f"[{dtype}] HF static batch 8: {stat['tok_s']:.1f} tok/s ({stat['elapsed']:.1f} s)", flush=True)
+        variants = [(dtype, engine_args)]
+        if dtype == "bfloat16" and not args.no_gguf_row:   # same HF baselines: HF can only run the dequantized weights
+            variants.append(("bfloat16 + gguf q4", {**engine_args, "quantization": "gguf"}))
+        model = None if args.skip_hf else load_hf(dtype, args.device)
+        runs = {label: [] for label, _ in variants}
+        stats = []
+        for r in range(max(1, args.repeats)):
+            for label, eargs in variants:
+                eng = bench_engine(prompts, outputs, dtype, eargs)
+                runs[label].append(eng)
+                print_engine(f"{label}, round {r + 1}", eng)
+            if model is not None:
+                stats.append(bench_hf_static(model, prompts, outputs))
+                print(f"[{dtype}, round {r + 1}] HF static batch 8: {stats[-1]['tok_s']:.1f} tok/s "
+                      f"({stats[-1]['elapsed']:.1f} s)", flush=True)
+        seq = None
+        if model is not None:
             seq = bench_hf_sequential(model, prompts, outputs)
             print(f"[{dtype}] HF sequential: {seq['tok_s']:.1f} tok/s ({seq['elapsed']:.1f} s)", flush=True)
             del model
-        rows.append((dtype, eng, seq, stat))
-        if dtype == "bfloat16" and not args.no_gguf_row:   # same HF baselines: HF can only run the dequantized weights
-            eng = bench_engine(prompts, outputs, dtype, {**engine_args, "quantization": "gguf"})
-            print_engine("bfloat16 + gguf q4", eng)
-            rows.append(("bfloat16 + gguf q4", eng, seq, stat))
+        for label, _ in variants:
+            rows.append((label, runs[label], seq, stats))
 
     print("\n| dtype | rtserve tok/s | HF sequential tok/s | HF static-8 tok/s | vs sequential | vs static-8 | "
           "KV waste at peak |")
     print("|---|---|---|---|---|---|---|")
-    for dtype, eng, seq, stat in rows:
-        vs_seq = f"{eng['tok_s'] / seq['tok_s']:.1f}x" if seq else "-"
-        vs_stat = f"{eng['tok_s'] / stat['tok_s']:.1f}x" if stat else "-"
-        print(f"| {dtype} | {eng['tok_s']:.1f} | {seq['tok_s']:.1f} | {stat['tok_s']:.1f} | {vs_seq} | {vs_stat} | "
-              f"{eng['kv_waste']:.2%} |" if seq else
-              f"| {dtype} | {eng['tok_s']:.1f} | - | - | - | - | {eng['kv_waste']:.2%} |")
+    for label, engs, seq, stats in rows:
+        eng = _median([e["tok_s"] for e in engs])
+        waste = engs[0]["kv_waste"]
+        if not stats:
+            print(f"| {label} | {eng:.1f} | - | - | - | - | {waste:.2%} |")
+            continue
+        stat = _median([s["tok_s"] for s in stats])
+        vs_stat = _median([e["tok_s"] / s["tok_s"] for e, s in zip(engs, stats)])
+        print(f"| {label} | {eng:.1f} | {seq['tok_s']:.1f} | {stat:.1f} | {eng / seq['tok_s']:.1f}x | {vs_stat:.1f}x | "
+              f"{waste:.2%} |")
+    if args.repeats > 1:
+        print("\nper round (rtserve tok/s / HF static-8 tok/s = ratio):")
+        for label, engs, _, stats in rows:
+            print(f"  {label}: " + ", ".join(f"{e['tok_s']:.0f}/{s['tok_s']:.0f}={e['tok_s'] / s['tok_s']:.1f}x"
+                                             for e, s in zip(engs, stats)) if stats else
+                  f"  {label}: " + ", ".join(f"{e['tok_s']:.0f}" for e in engs))
     return 0
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 if __name__ == "__main__":
