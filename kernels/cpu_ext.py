@@ -13,12 +13,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "layer_ops.cpp", "amx_linear.cpp")]
 _state: dict = {}
+_lock = threading.Lock()   # the engine and Whisper's loader thread both ask at start-up; the second must wait for the
+#                            build, not read the "unavailable" placeholder and fall back to the torch path for good
 log = logging.getLogger("rtserve.kernels")
 
 
@@ -30,23 +33,32 @@ def ops():
     """torch.ops.rtserve_cpu, built or loaded on the first call (None if unavailable or disabled)."""
     if not enabled():
         return None
-    if "ops" not in _state:
-        _state["ops"] = None
-        try:
-            from torch.utils.cpp_extension import load
-
-            # -fopenmp: at::parallel_for is inline OpenMP, one thread without it; the loader then binds the ops to the
-            # libgomp.so.1 torch already loaded, so they share torch's thread pool
-            # torch rebuilds when a listed source changes but does not see headers: their hash goes into the flags
-            files = sorted(p for p in _SOURCES[0].parent.iterdir() if p.is_file())
-            digest = hashlib.sha1(b"".join(p.read_bytes() for p in files)).hexdigest()
-            load("rtserve_cpu", sources=[str(s) for s in _SOURCES],
-                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", f"-DRTSERVE_CSRC={digest[:12]}"],
-                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-            _state["ops"] = torch.ops.rtserve_cpu
-        except Exception as e:  # no compiler, no ninja, read-only cache: fall back to the torch path
-            log.warning("C++ CPU ops unavailable, using the pure-torch path: %s", str(e).splitlines()[0][:300])
+    if "ops" in _state:
+        return _state["ops"]
+    with _lock:
+        if "ops" in _state:
+            return _state["ops"]
+        _state["ops"] = _load()
     return _state["ops"]
+
+
+def _load():
+    """Build or load the extension; None when it cannot be built."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        # -fopenmp: at::parallel_for is inline OpenMP, one thread without it; the loader then binds the ops to the
+        # libgomp.so.1 torch already loaded, so they share torch's thread pool
+        # torch rebuilds when a listed source changes but does not see headers: their hash goes into the flags
+        files = sorted(p for p in _SOURCES[0].parent.iterdir() if p.is_file())
+        digest = hashlib.sha1(b"".join(p.read_bytes() for p in files)).hexdigest()
+        load("rtserve_cpu", sources=[str(s) for s in _SOURCES],
+             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", f"-DRTSERVE_CSRC={digest[:12]}"],
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return torch.ops.rtserve_cpu
+    except Exception as e:  # no compiler, no ninja, read-only cache: fall back to the torch path
+        log.warning("C++ CPU ops unavailable, using the pure-torch path: %s", str(e).splitlines()[0][:300])
+        return None
 
 
 def _op(name: str):
