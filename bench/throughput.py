@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--skip-hf", action="store_true", help="only measure the engine")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (GPU)")
     ap.add_argument("--no-gguf-row", action="store_true",
                     help="skip the extra bf16 row with quantization=gguf (batches <= 8 rows on the GGUF's 4-bit blocks)")
     ap.add_argument("--repeats", type=int, default=3,
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts, outputs = make_workload(args.num_requests, args.seed, vocab)
     engine_args = dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-                       device=args.device)
+                       device=args.device, enforce_eager=args.enforce_eager)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens, "
           f"torch threads {torch.get_num_threads()}, {args.repeats} rounds", flush=True)
     rows = []

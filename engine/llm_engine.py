@@ -70,6 +70,8 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or cfg.get("max_position_embeddings", 2048),
                                  cfg.get("max_position_embeddings", 1 << 30))
         self.vocab_size = cfg["vocab_size"]
+        if not args.enforce_eager:
+            self.runner.enable_decode_graphs(args.max_num_seqs, self.max_model_len)
         eos = cfg.get("eos_token_id", self.tokenizer.eos_token_id)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         num_blocks = self.runner.num_blocks

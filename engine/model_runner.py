@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+import kernels
+from engine.cuda_graph import DecodeGraphs
 from engine.errors import ModelLoadError
 from engine.models.gguf_q4 import attach_gguf_q4
 from engine.models.llama import AttentionMetadata, LlamaForCausalLM, rope_inv_freq
@@ -70,6 +72,16 @@ class ModelRunner:
         # page faults (zeros, not garbage: a masked-out NaN would still poison P @ V)
         self.kv_cache = torch.empty(num_layers, 2, self.num_blocks, block_size, self.model.num_kv_heads,
                                     self.model.head_dim, dtype=self.dtype, device=self.device).zero_()
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> bool:
+        """CUDA graphs for decode steps (engine/cuda_graph.py): only on CUDA with the Triton backend, whose kernels
+        never read device values on the host. `capture=False` runs the padded static-buffer path eagerly (tests)."""
+        if capture and (self.device.type != "cuda" or kernels.resolve_backend(self.device) != "triton"):
+            return False
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, max_num_seqs, max_blocks, capture=capture)
+        return True
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
@@ -99,6 +111,9 @@ class ModelRunner:
         tables = np.full((len(scheduled), max_blocks), -1, dtype=np.int32)
         for i, s in enumerate(scheduled):
             tables[i, :len(s.request.block_table)] = s.request.block_table
+        if self.graphs is not None and len(input_ids) == len(scheduled) == len(sampling) <= self.graphs.max_bs:
+            return self.graphs.run(input_ids, np.concatenate(positions), np.concatenate(slots), seq_lens,
+                                   tables), sampling   # a decode-only step: one token per sequence, all sampling
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
