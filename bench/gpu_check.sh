@@ -116,6 +116,10 @@ if [[ -f bench/throughput.py ]]; then
   step bench-triton 150 bash -c "'$PY' -m gateway.cli bench throughput ${ARGS[*]} > '$RES/throughput_triton.txt' 2>&1"
   step bench-torch 90 bash -c "'$PY' -m gateway.cli bench throughput ${ARGS[*]/triton/torch} --skip-hf \
     > '$RES/throughput_torch.txt' 2>&1"
+  if grep -q -- --enforce-eager "$RES/throughput_help.txt"; then   # decode CUDA graphs off, for the A/B
+    step bench-eager 90 bash -c "'$PY' -m gateway.cli bench throughput ${ARGS[*]} --skip-hf --enforce-eager \
+      > '$RES/throughput_eager.txt' 2>&1"
+  fi
 else
   echo "bench-throughput SKIPPED (no bench/throughput.py)" | tee -a "$SUMMARY"
 fi
