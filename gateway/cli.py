@@ -31,6 +31,7 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pinned-blocks-fraction", type=float, default=None,
                     help="share of the KV pool live sessions may keep pinned (engine default 0.5)")
     ap.add_argument("--device", default=None, help='"cpu" (default) or "cuda"')
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     ap.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--quantization", default=None, choices=["none", "gguf"],
                     help='"gguf": decode batches of up to 64 rows run on the GGUF file\'s own Q4_1 blocks (faster decode '
@@ -52,6 +53,8 @@ def engine_args(ns: argparse.Namespace) -> dict:
             if getattr(ns, key) is not None}
     if ns.no_prefix_caching:
         args["enable_prefix_caching"] = False
+    if ns.enforce_eager:
+        args["enforce_eager"] = True
     if ns.quantization is None:   # the embedded model is a Q4_1 GGUF: its own blocks make small-batch decode fast
         ns.quantization = "gguf" if ns.model is None and ns.device in (None, "cpu") else "none"
     args["quantization"] = None if ns.quantization == "none" else ns.quantization

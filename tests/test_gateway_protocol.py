@@ -145,6 +145,8 @@ def test_cli_flags_map_to_engine_args(capsys):
                                    "dtype": "bfloat16",   # the server's default; the engine API's stays float32
                                    "quantization": "gguf"}   # the embedded model is a Q4_1 GGUF: decode on its blocks
     assert cli.engine_args(cli.serve_parser().parse_args(["--dtype", "float32"]))["dtype"] == "float32"
+    assert cli.engine_args(cli.serve_parser().parse_args(["--enforce-eager"]))["enforce_eager"] is True
+    assert "enforce_eager" not in cli.engine_args(cli.serve_parser().parse_args([]))
     assert cli.engine_args(cli.serve_parser().parse_args(["--quantization", "none"]))["quantization"] is None
     assert cli.engine_args(cli.serve_parser().parse_args(["--model", "/m/hf-dir"]))["quantization"] is None
     assert (ns.port, ns.api_key, ns.host) == (9000, "k", "127.0.0.1")
