@@ -6,6 +6,7 @@ logits only at the last position of requests whose chunk reaches their end.
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from engine.models.llama import AttentionMetadata, LlamaForCausalLM, rope_inv_fr
 from engine.models.loader import check_architecture
 from engine.scheduler import ScheduledRequest
 from kernels import cpu_ext
+
+log = logging.getLogger("rtserve.engine")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -80,7 +83,15 @@ class ModelRunner:
         if capture and (self.device.type != "cuda" or kernels.resolve_backend(self.device) != "triton"):
             return False
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.kv_cache, max_num_seqs, max_blocks, capture=capture)
+        try:
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, max_num_seqs, max_blocks, capture=capture)
+        except Exception as e:  # noqa: BLE001 - a GPU or driver that cannot capture still serves, eagerly
+            if not capture:
+                raise
+            log.warning("CUDA graph capture failed, decode steps run eagerly: %s", str(e).splitlines()[0][:300])
+            self.graphs = None
+            torch.cuda.synchronize()
+            return False
         return True
 
     @torch.inference_mode()
