@@ -1,12 +1,12 @@
 """``Transcriber``: one shared Whisper worker thread for all sessions, like an inference engine.
 
-Sessions submit 16 kHz segments from the event loop; the worker takes everything that is ready,
-computes log-mel + encoder for the whole batch at once (over the longest segment's length plus padding, not the
-full 30 s window), decodes the batch greedily, and streams
-append-only text deltas back to each request's asyncio queue.  Segments longer than 30 s are
-transcribed window by window (each window a row of a later batch).  A consumer that goes away
-(cancelled, ``aclose``, garbage collected) flags its request, and the worker drops the row at the
-next decode step.
+Sessions submit 16 kHz segments from the event loop. The worker runs Whisper's decoder with continuous batching:
+between decoder steps it admits every segment that has arrived (log-mel + encoder for those at once, over the
+longest one's length plus padding, not the full 30 s window), and they join the rows already decoding, so
+transcriptions that start at different moments share their steps. Each row streams append-only text deltas back to
+its request's asyncio queue.  Segments longer than 30 s are transcribed window by window (each window a row that
+joins after the previous one ends).  A consumer that goes away (cancelled, ``aclose``, garbage collected) flags its
+request, and the worker drops the row before the next step.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class TranscriptionError(RuntimeError):
 
 @dataclass(slots=True)
 class TranscriberStats:
-    """What the worker has done; ``rtf`` = compute seconds per second of audio."""
+    """What the worker has done; ``rtf`` = compute seconds per second of audio. ``batches`` / ``batch_sizes`` count
+    encoder batches (segments admitted together); ``decode_rows`` / ``decode_steps`` is the mean decoder batch."""
 
     requests: int = 0
     completed: int = 0
@@ -45,6 +46,9 @@ class TranscriberStats:
     batches: int = 0
     max_batch: int = 0
     batch_sizes: Counter = field(default_factory=Counter)
+    decode_steps: int = 0
+    decode_rows: int = 0
+    max_decode_rows: int = 0
     encoder_seconds: float = 0.0
     decoder_seconds: float = 0.0
     audio_seconds: float = 0.0
@@ -58,6 +62,8 @@ class TranscriberStats:
             "requests": self.requests, "completed": self.completed, "cancelled": self.cancelled,
             "failed": self.failed, "batches": self.batches, "max_batch": self.max_batch,
             "batch_sizes": dict(sorted(self.batch_sizes.items())),
+            "decode_steps": self.decode_steps, "decode_rows": self.decode_rows,
+            "max_decode_rows": self.max_decode_rows,
             "encoder_seconds": round(self.encoder_seconds, 4), "decoder_seconds": round(self.decoder_seconds, 4),
             "audio_seconds": round(self.audio_seconds, 3), "rtf": round(self.rtf, 4),
         }
@@ -192,8 +198,9 @@ class Transcriber:
     def _run(self) -> None:
         try:
             self.model  # load at start-up, off the event loop
-        except Exception:  # noqa: BLE001 - reported to each request by _step
+        except Exception:  # noqa: BLE001 - reported to each request by _admit
             log.exception("loading Whisper failed")
+        decoder = None
         while True:
             with self._cv:
                 idle = not (self._pending or self._active)
@@ -202,61 +209,83 @@ class Transcriber:
                 if self._closed:
                     break
             if idle and self.batch_wait_s > 0:
-                time.sleep(self.batch_wait_s)  # requests of one tick (several sessions) share a batch
+                time.sleep(self.batch_wait_s)  # requests of one tick (several sessions) share an encoder batch
             with self._cv:
-                self._active.extend(self._pending)
-                self._pending.clear()
-            self._active = [r for r in self._active if not self._drop_if_cancelled(r)]
-            batch = self._active[: self.max_batch]
-            if batch:
-                self._step(batch)
+                room = self.max_batch - len(self._active)
+                new, self._pending = self._pending[:room], self._pending[room:]
+            new = [r for r in new if not self._drop_if_cancelled(r)]
+            for r in [r for r in self._active if r.cancelled]:
+                self._drop_if_cancelled(r)
+                decoder.drop(r)
+                self._active.remove(r)
+            try:
+                if decoder is None:
+                    decoder = self.model.decoder()
+                if new:
+                    self._admit(decoder, new)
+            except Exception as exc:  # noqa: BLE001 - these requests learn of the failure; the rows decoding go on
+                self._fail(new, exc)
+            try:
+                if self._active:
+                    self._step(decoder)
+            except Exception as exc:  # noqa: BLE001 - every request in the decoder learns of the failure
+                self._fail(self._active, exc)
+                self._active, decoder = [], None
         for r in self._active + self._pending:
             r.send(TranscriptionError("transcriber closed"))
+
+    def _fail(self, requests: list[_Request], exc: Exception) -> None:
+        log.error("transcription failed: %s", exc, exc_info=exc)
+        for r in requests:
+            self.stats.failed += 1
+            r.cancelled = True
+            r.send(TranscriptionError(f"transcription failed: {exc}"))
 
     def _drop_if_cancelled(self, r: _Request) -> bool:
         if r.cancelled and not r.finished:
             self.stats.cancelled += 1
         return r.cancelled
 
-    def _step(self, batch: list[_Request]) -> None:
-        try:
-            model = self.model
-            audios = [r.windows[r.window] for r in batch]
-            t0 = time.perf_counter()
-            enc = model.encode(model.features(audios))
-            t1 = time.perf_counter()
-            self.stats.encoder_seconds += t1 - t0
-            self.stats.audio_seconds += sum(len(a) for a in audios) / SAMPLE_RATE
-            self.stats.batches += 1
-            self.stats.batch_sizes[len(batch)] += 1
-            self.stats.max_batch = max(self.stats.max_batch, len(batch))
+    def _admit(self, decoder, batch: list[_Request]) -> None:
+        """Encode the next window of each request at once; its rows join the decoder."""
+        model = self.model
+        audios = [r.windows[r.window] for r in batch]
+        t0 = time.perf_counter()
+        enc = model.encode(model.features(audios))
+        self.stats.encoder_seconds += time.perf_counter() - t0
+        self.stats.audio_seconds += sum(len(a) for a in audios) / SAMPLE_RATE
+        self.stats.batches += 1
+        self.stats.batch_sizes[len(batch)] += 1
+        self.stats.max_batch = max(self.stats.max_batch, len(batch))
+        decoder.add(enc, batch, [model.max_tokens_for(len(a)) for a in audios])
+        self._active += batch
 
-            def on_step(row: int, tokens: list[int], done: bool) -> bool:
-                r = batch[row]
-                text = r.text_done + model.detokenize(tokens)
-                if done:
-                    r.text_done = text
-                    r.window += 1
-                final = done and r.window >= len(r.windows)
-                if final and not r.cancelled:
+    def _step(self, decoder) -> None:
+        model = self.model
+        t0 = time.perf_counter()
+        rows = len(decoder.rows)
+        produced = decoder.step()
+        self.stats.decoder_seconds += time.perf_counter() - t0
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += rows
+        self.stats.max_decode_rows = max(self.stats.max_decode_rows, rows)
+        for r, tokens, done in produced:
+            text = r.text_done + model.detokenize(tokens)
+            if done:
+                r.text_done = text
+                r.window += 1
+                self._active.remove(r)
+                if r.window < len(r.windows) and not r.cancelled:  # its next window joins at the next admission
+                    with self._cv:
+                        self._pending.insert(0, r)
+                    self._stream(r, text, final=False)
+                    continue
+                if not r.cancelled:
                     r.finished = True
                     self.stats.completed += 1
-                self._stream(r, text, final=final)
-                return not r.cancelled
-
-            model.decode_greedy(enc, [model.max_tokens_for(len(a)) for a in audios], on_step=on_step)
-            self.stats.decoder_seconds += time.perf_counter() - t1
-        except Exception as exc:  # noqa: BLE001 - every request of the batch learns of the failure
-            log.exception("transcription batch failed")
-            for r in batch:
-                self.stats.failed += 1
-                r.cancelled = True
-                r.send(TranscriptionError(f"transcription failed: {exc}"))
-            self._active = [r for r in self._active if r not in batch]
-            return
-        finished = {r for r in batch if r.finished or r.cancelled}
-        self.stats.cancelled += sum(1 for r in finished if not r.finished)
-        self._active = [r for r in self._active if r not in finished]
+                else:
+                    self._drop_if_cancelled(r)
+            self._stream(r, text, final=done)
 
     @staticmethod
     def _stream(r: _Request, text: str, final: bool) -> None:

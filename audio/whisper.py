@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -326,53 +326,29 @@ class WhisperModel:
                       on_step: Callable[[int, list[int], bool], bool] | None = None,
                       no_speech_threshold: float | None = NO_SPEECH_THRESHOLD) -> list[list[int]]:
         """Greedy decode every row until EOT or its token cap (one ``max_new_tokens`` for all, or one per row);
-        ``on_step(row, tokens, done)`` after each step.
+        ``on_step(row, tokens, done)`` after each token.
 
         ``on_step`` returns False to drop that row (its consumer is gone); dropped and finished rows
         leave the batch so the rest runs smaller.  Rows still running at the token limit get a last
         ``on_step(row, tokens, True)``.  Rows whose no-speech probability exceeds
         ``no_speech_threshold`` end at once with no tokens (silence or noise would otherwise come
-        out as "you" or ".").
+        out as "you" or ".").  (The ``Transcriber`` drives a ``Decoder`` itself, so rows can also join.)
         """
         b = encoded.shape[0]
-        tokens: list[list[int]] = [[] for _ in range(b)]
-        rows = list(range(b))  # original row index of each live batch row
-        limit = self.model.config.max_target_positions - 2
         per_row = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * b
-        caps = [min(limit, n) for n in per_row]
-        state = _DecoderState.start(self.model.model.decoder, encoded, 2 + max(caps))
-        inp = torch.tensor([[SOT, NO_TIMESTAMPS]] * b)
-        for step in range(max(caps)):
-            hidden = state.forward(inp)
-            logits = self._logits(hidden[:, -1])
-            silent = [False] * len(rows)
-            if step == 0 and no_speech_threshold is not None:  # <|nocaptions|> right after SOT
-                p_none = self._logits(hidden[:, 0]).softmax(-1)[:, NO_SPEECH]
-                silent = (p_none > no_speech_threshold).tolist()
-            logits.masked_fill_(self._suppress_begin if step == 0 else self._suppress, float("-inf"))
-            nxt = logits.argmax(-1).tolist()
-            keep: list[int] = []
-            for i, tok in enumerate(nxt):
-                r = rows[i]
-                if tok == EOT or silent[i]:
-                    if on_step is not None:
-                        on_step(r, tokens[r], True)
-                    continue
-                tokens[r].append(tok)
-                if len(tokens[r]) >= caps[r]:  # at its cap: done
-                    if on_step is not None:
-                        on_step(r, tokens[r], True)
-                    continue
-                if on_step is None or on_step(r, tokens[r], False):
-                    keep.append(i)
-            if not keep:
-                break
-            if len(keep) < len(rows):
-                state.keep(torch.tensor(keep))
-                rows = [rows[i] for i in keep]
-                nxt = [nxt[i] for i in keep]
-            inp = torch.tensor(nxt).unsqueeze(1)
+        dec = self.decoder(no_speech_threshold)
+        dec.add(encoded, list(range(b)), per_row)
+        tokens: list[list[int]] = [[] for _ in range(b)]
+        while dec.rows:
+            for row, toks, done in dec.step():
+                tokens[row] = toks
+                if on_step is not None and not on_step(row, toks, done) and not done:
+                    dec.drop(row)
         return tokens
+
+    def decoder(self, no_speech_threshold: float | None = NO_SPEECH_THRESHOLD) -> "Decoder":
+        """An empty continuous-batching decoder over this model (rows join with ``add``, leave when done)."""
+        return Decoder(self, no_speech_threshold)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the given positions only (HF's head would project every position of the step)."""
@@ -416,64 +392,165 @@ def _packed_forward(lin: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-@dataclass(slots=True)
-class _DecoderState:
-    """Whisper's decoder run over HF's modules with our own caches: the cross-attention keys/values are projected
-    once from the encoder output, and the self-attention cache is one preallocated tensor per layer, so a step is
-    ~15 plain ops per layer instead of transformers' generic cache machinery (this loop is the transcript's
-    critical path at batch 1)."""
+@dataclass(slots=True, eq=False)
+class _Row:
+    key: object
+    cap: int               # text tokens at most
+    cross_len: int         # encoder positions of its audio
+    pos: int = 0           # tokens in its self-attention cache: its next input goes here
+    tokens: list = field(default_factory=list)
 
-    decoder: object
-    cross: list            # per layer (k, v): [B, heads, positions, head_dim]
-    self_k: torch.Tensor   # [layers, B, heads, max_len, head_dim]
-    self_v: torch.Tensor
-    length: int = 0        # tokens in the self-attention cache
 
-    @classmethod
-    def start(cls, decoder, encoded: torch.Tensor, max_len: int) -> "_DecoderState":
-        b, n = encoded.shape[:2]
-        attn = decoder.layers[0].self_attn
-        heads, hd = attn.num_heads, attn.head_dim
+class Decoder:
+    """Whisper's greedy decoder with continuous batching: rows (one audio window each) join between steps with their
+    encoder output (``add``) and leave when done or dropped, like sequences in the LLM engine, so transcriptions that
+    start at different moments still share their decoder steps (a step costs about the same for 1 row as for 8).
+
+    Each step feeds one token per row at that row's own position: SOT (whose logits give the no-speech probability),
+    then NO_TIMESTAMPS, then the last token. The self-attention cache is one preallocated tensor per layer with a
+    length mask per row; cross-attention keys/values are projected once per row (zero-padded, and masked, when rows
+    have different encoder lengths). HF's modules supply the weights; the loop is ours (transformers' generic cache
+    machinery was most of a step's time at batch 1)."""
+
+    def __init__(self, model: WhisperModel, no_speech_threshold: float | None = NO_SPEECH_THRESHOLD) -> None:
+        self.model, self.no_speech_threshold = model, no_speech_threshold
+        self.dec = model.model.model.decoder
+        attn = self.dec.layers[0].self_attn
+        self.heads, self.head_dim = attn.num_heads, attn.head_dim
+        self.max_len = model.model.config.max_target_positions  # SOT, NO_TIMESTAMPS and the text tokens
+        self.rows: list[_Row] = []
+        self.cross: list | None = None   # per layer (k, v): [B, heads, P, head_dim]
+        self.self_k: torch.Tensor | None = None  # [layers, B, heads, 2 + the longest row's cap, head_dim]
+        self.self_v: torch.Tensor | None = None
+        self.last_logits: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def add(self, encoded: torch.Tensor, keys: Sequence, caps: Sequence[int],
+            lengths: Sequence[int] | None = None) -> None:
+        """New rows: ``encoded`` [n, P, d] (row i's audio fills ``lengths[i]`` positions, default all P)."""
+        n, p_new = encoded.shape[:2]
+        limit = self.max_len - 2
+        lengths = [p_new] * n if lengths is None else list(lengths)
+        self.rows += [_Row(k, min(limit, c), ln) for k, c, ln in zip(keys, caps, lengths)]
 
         def split(x: torch.Tensor) -> torch.Tensor:
-            return x.view(b, -1, heads, hd).transpose(1, 2)
-        cross = [(split(layer.encoder_attn.k_proj(encoded)).contiguous(),
-                  split(layer.encoder_attn.v_proj(encoded)).contiguous()) for layer in decoder.layers]
-        shape = (len(decoder.layers), b, heads, max_len, hd)
-        return cls(decoder, cross, torch.empty(shape, dtype=encoded.dtype), torch.empty(shape, dtype=encoded.dtype))
+            return x.view(n, -1, self.heads, self.head_dim).transpose(1, 2)
+        cross = [(split(layer.encoder_attn.k_proj(encoded)), split(layer.encoder_attn.v_proj(encoded)))
+                 for layer in self.dec.layers]
+        # the self-attention cache holds the longest row (SOT, NO_TIMESTAMPS and its cap); zeros, not empty: masked
+        # positions still meet V (softmax weight 0 times a NaN bit pattern is NaN)
+        span = max(2 + r.cap for r in self.rows)
+        shape = (len(self.dec.layers), n, self.heads, span, self.head_dim)
+        k_new, v_new = torch.zeros(shape, dtype=encoded.dtype), torch.zeros(shape, dtype=encoded.dtype)
+        if self.cross is None:
+            self.cross = [(k.contiguous(), v.contiguous()) for k, v in cross]
+            self.self_k, self.self_v = k_new, v_new
+            return
+        if self.self_k.shape[3] < span:
+            grow = (0, 0, 0, span - self.self_k.shape[3])
+            self.self_k, self.self_v = (torch.nn.functional.pad(t, grow) for t in (self.self_k, self.self_v))
+        p_old = self.cross[0][0].shape[2]
+        pad = max(p_old, p_new)
 
-    def keep(self, idx: torch.Tensor) -> None:
-        """Keep only these batch rows."""
-        self.cross = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.cross]
-        self.self_k = self.self_k.index_select(1, idx)
-        self.self_v = self.self_v.index_select(1, idx)
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, 0, 0, pad - x.shape[2])) if x.shape[2] < pad else x
+        self.cross = [(torch.cat([padded(ko), padded(kn)]), torch.cat([padded(vo), padded(vn)]))
+                      for (ko, vo), (kn, vn) in zip(self.cross, cross)]
+        self.self_k, self.self_v = torch.cat([self.self_k, k_new], 1), torch.cat([self.self_v, v_new], 1)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states after the final norm for ``ids`` [B, T] appended at the current position."""
-        dec, (b, t), p0 = self.decoder, ids.shape, self.length
-        x = dec.embed_tokens(ids) + dec.embed_positions.weight[p0:p0 + t]
+    def drop(self, key) -> None:
+        """Remove the row of ``key`` (its consumer went away)."""
+        self._keep([i for i, r in enumerate(self.rows) if r.key != key])
+
+    def _keep(self, idx: list[int]) -> None:
+        if len(idx) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in idx]
+        if not self.rows:
+            self.cross = self.self_k = self.self_v = None
+            return
+        t = torch.tensor(idx)
+        self.cross = [(k.index_select(0, t), v.index_select(0, t)) for k, v in self.cross]
+        self.self_k, self.self_v = self.self_k.index_select(1, t), self.self_v.index_select(1, t)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[object, list[int], bool]]:
+        """One token for every row; returns ``(key, tokens, done)`` for each row that produced a token or ended
+        (finished rows leave)."""
+        rows, m = self.rows, self.model
+        if not rows:
+            return []
+        inputs = [SOT if r.pos == 0 else NO_TIMESTAMPS if r.pos == 1 else r.tokens[-1] for r in rows]
+        hidden = self._forward(torch.tensor(inputs).unsqueeze(1), torch.tensor([r.pos for r in rows]))
+        logits = m._logits(hidden[:, -1])
+        p_none = None  # <|nocaptions|> right after SOT: is there speech at all?
+        if self.no_speech_threshold is not None and any(r.pos == 0 for r in rows):
+            p_none = logits.softmax(-1)[:, NO_SPEECH].tolist()
+        logits.masked_fill_(m._suppress, float("-inf"))
+        begin = [i for i, r in enumerate(rows) if r.pos == 1]  # first text token: also no blank, no EOT
+        if begin:
+            logits[begin] = logits[begin].masked_fill(m._suppress_begin, float("-inf"))
+        nxt = kernels.argmax(logits).tolist()
+        self.last_logits = logits  # [rows, vocab], suppressed tokens at -inf (for checks)
+        out, keep = [], []
+        for i, r in enumerate(rows):
+            r.pos += 1
+            if r.pos == 1:  # this step read SOT
+                if p_none is not None and p_none[i] > self.no_speech_threshold:
+                    out.append((r.key, r.tokens, True))
+                    continue
+                keep.append(i)
+                continue
+            tok = nxt[i]
+            if tok == EOT:
+                out.append((r.key, r.tokens, True))
+                continue
+            r.tokens.append(tok)
+            done = len(r.tokens) >= r.cap
+            out.append((r.key, r.tokens, done))
+            if not done:
+                keep.append(i)
+        self._keep(keep)
+        return out
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the final norm for one token per row, ``ids`` [B, 1] at positions ``pos`` [B]."""
+        dec, b = self.dec, ids.shape[0]
+        x = dec.embed_tokens(ids) + dec.embed_positions.weight[pos].unsqueeze(1)
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        heads, hd = dec.layers[0].self_attn.num_heads, dec.layers[0].self_attn.head_dim
+        heads, hd = self.heads, self.head_dim
+        span = int(pos.max()) + 1
+        self_mask = None if int(pos.min()) == span - 1 else _additive_mask(pos + 1, span, x.dtype)
+        lengths = torch.tensor([r.cross_len for r in self.rows])
+        p = self.cross[0][0].shape[2]
+        cross_mask = None if int(lengths.min()) == p else _additive_mask(lengths, p, x.dtype)
+        batch = torch.arange(b)
 
         def split(y: torch.Tensor) -> torch.Tensor:
-            return y.view(b, t, heads, hd).transpose(1, 2)
+            return y.view(b, 1, heads, hd).transpose(1, 2)
         for i, layer in enumerate(dec.layers):
             a = layer.self_attn
             h = layer.self_attn_layer_norm(x)
             q = split(a.q_proj(h) * a.scaling)
-            self.self_k[i, :, :, p0:p0 + t] = split(a.k_proj(h))
-            self.self_v[i, :, :, p0:p0 + t] = split(a.v_proj(h))
-            o = sdpa(q, self.self_k[i, :, :, :p0 + t], self.self_v[i, :, :, :p0 + t], is_causal=t > 1, scale=1.0)
-            x = x + a.out_proj(o.transpose(1, 2).reshape(b, t, heads * hd))
+            self.self_k[i, batch, :, pos] = a.k_proj(h).view(b, heads, hd)
+            self.self_v[i, batch, :, pos] = a.v_proj(h).view(b, heads, hd)
+            o = sdpa(q, self.self_k[i, :, :, :span], self.self_v[i, :, :, :span], attn_mask=self_mask, scale=1.0)
+            x = x + a.out_proj(o.transpose(1, 2).reshape(b, 1, heads * hd))
             c = layer.encoder_attn
             h = layer.encoder_attn_layer_norm(x)
             ck, cv = self.cross[i]
-            o = sdpa(split(c.q_proj(h) * c.scaling), ck, cv, scale=1.0)
-            x = x + c.out_proj(o.transpose(1, 2).reshape(b, t, heads * hd))
+            o = sdpa(split(c.q_proj(h) * c.scaling), ck, cv, attn_mask=cross_mask, scale=1.0)
+            x = x + c.out_proj(o.transpose(1, 2).reshape(b, 1, heads * hd))
             h = layer.final_layer_norm(x)
             x = x + layer.fc2(layer.activation_fn(layer.fc1(h)))
-        self.length = p0 + t
         return dec.layer_norm(x)
+
+
+def _additive_mask(lengths: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, 1, span]: 0 on each row's first ``lengths[b]`` keys, -inf past them (once per step, so SDPA does not
+    convert a boolean mask in every layer)."""
+    keep = torch.arange(span).unsqueeze(0) < lengths.unsqueeze(1)
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf")).view(-1, 1, 1, span)
 
 
 _shared: WhisperModel | None = None

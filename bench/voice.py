@@ -157,7 +157,10 @@ def server_batches(url: str) -> str:
     tts = dict(re.findall(r'rtserve_tts_(requests_total|background_requests_total|seconds_total|max_seconds) '
                           r'([0-9.e+-]+)', text))
     rtf = re.findall(r'rtserve_whisper_rtf ([0-9.e+-]+)', text)
+    dec = dict(re.findall(r'rtserve_whisper_decode_(steps|rows)_total ([0-9.e+-]+)', text))
+    mean_rows = float(dec.get("rows", 0)) / max(1.0, float(dec.get("steps", 0)))
     return (", ".join(f"{s}×{int(float(n))}" for s, n in sizes) or "n/a") + \
+        f"; decoder rows per step {mean_rows:.2f} over {float(dec.get('steps', 0)):.0f} steps" + \
         f"; speculative transcriptions used/started: {spec.get('used', '?')}/{spec.get('started', '?')}" + \
         f"; replies decoded during the pause adopted/started: {spec.get('adopted', '?')}/" + \
         f"{spec.get('pregenerated', '?')}" + \
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                     return f"{p50} / {pct(vals, 95) * 1000:.0f} ms" if both else p50
                 print(f"| {n} | {spread} ms | {len(turns)} | {col('stopped', False)} | {col('transcript')} | "
                       f"{col('text')} | {col('audio')} | {col('after_stopped', False)} |", flush=True)
-        print(f"server Whisper batches (size×count): {server_batches(url)}", flush=True)
+        print(f"server Whisper encoder batches (size×count): {server_batches(url)}", flush=True)
     finally:
         if proc is not None:
             proc.terminate()

@@ -68,6 +68,12 @@ class AudioCollector:
         for size, n in tr["batch_sizes"].items():
             sizes.add_metric([str(size)], n)
         yield sizes
+        yield CounterMetricFamily("rtserve_whisper_decode_steps", "Whisper decoder steps.", value=tr["decode_steps"])
+        yield CounterMetricFamily("rtserve_whisper_decode_rows",
+                                  "Rows decoded, summed over Whisper decoder steps (rows / steps = mean batch).",
+                                  value=tr["decode_rows"])
+        yield GaugeMetricFamily("rtserve_whisper_max_decode_rows", "Largest Whisper decoder batch.",
+                                value=tr["max_decode_rows"])
         yield GaugeMetricFamily("rtserve_whisper_rtf", "Whisper compute seconds per audio second.", value=tr["rtf"])
         tts = stats.get("tts") or {}
         yield CounterMetricFamily("rtserve_tts_requests", "Clauses synthesized.", value=tts.get("requests", 0))

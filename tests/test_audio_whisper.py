@@ -238,3 +238,55 @@ def test_decoder_loop_matches_transformers(clips):
         for j, tok in enumerate(toks):
             mask = exact._suppress_begin if j == 0 else exact._suppress
             assert ref[1 + j].masked_fill(mask, float("-inf")).argmax().item() == tok
+
+
+def test_rows_joining_a_running_decoder_decode_as_alone(clips):
+    """Continuous batching: a row that joins after three steps, with a longer encoder context (so its companions'
+    keys are zero-padded and masked), and a silent row that ends at SOT, give the logits (fp32, to 1e-4) and tokens
+    each gives alone."""
+    exact = WhisperModel.load(dtype=torch.float32)
+    long = np.concatenate([clips["espeak"], np.zeros(16000 * 11, np.float32)])   # ~14 s: a 15 s context
+    audios = {"a": clips["piper"], "b": long, "c": np.zeros(16000, np.float32)}
+    enc = {k: exact.encode(exact.features([a])) for k, a in audios.items()}
+    caps = {k: exact.max_tokens_for(len(a)) for k, a in audios.items()}
+    p_b = enc["b"].shape[1]
+    assert enc["a"].shape[1] == 500 and p_b > 500
+    alone = {}
+    for k in audios:  # each row by itself: the logits of every step, and its tokens
+        dec = exact.decoder()
+        dec.add(enc[k], [k], [caps[k]])
+        logits = []
+        while dec.rows:
+            out = dec.step()
+            logits.append(dec.last_logits[0].clone())
+        alone[k] = (logits, out[0][1])
+    assert alone["a"][1] and alone["b"][1] and alone["c"][1] == []
+    dec = exact.decoder()
+    dec.add(enc["a"], ["a"], [caps["a"]])
+    got, rows_seen, steps = {}, [], {k: 0 for k in audios}
+    while dec.rows or not rows_seen:
+        if len(rows_seen) == 3:
+            dec.add(torch.cat([enc["b"], torch.nn.functional.pad(enc["c"], (0, 0, 0, p_b - 500))]), ["b", "c"],
+                    [caps["b"], caps["c"]], lengths=[p_b, 500])
+        keys = [r.key for r in dec.rows]
+        rows_seen.append(len(keys))
+        for key, toks, done in dec.step():
+            if done:
+                got[key] = list(toks)
+        for i, k in enumerate(keys):
+            torch.testing.assert_close(dec.last_logits[i], alone[k][0][steps[k]], atol=1e-4, rtol=1e-4)
+            steps[k] += 1
+    assert got == {k: v[1] for k, v in alone.items()} and max(rows_seen) == 3 and dec.cross is None
+
+
+async def test_a_late_request_joins_the_running_decoder(transcriber, clips):
+    """A transcription submitted while another decodes is encoded between two steps and decodes in the same steps."""
+    steps, rows = transcriber.stats.decode_steps, transcriber.stats.decode_rows
+    story = piper_speech("Once upon a time there was a small cat who lived in a quiet village by the sea.")
+    first = transcriber.transcribe(story)
+    await first.__anext__()  # the first row is decoding
+    second = transcriber.transcribe(clips["piper"])
+    texts = await asyncio.gather(first.result(), second.result())
+    assert jiwer.wer(REF, _norm(texts[1])) <= 0.2 and "village" in _norm(texts[0]), texts
+    assert transcriber.stats.max_decode_rows >= 2
+    assert transcriber.stats.decode_rows - rows > transcriber.stats.decode_steps - steps  # some steps had two rows
