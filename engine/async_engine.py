@@ -13,6 +13,9 @@ import threading
 from collections import defaultdict
 from typing import AsyncIterator
 
+import torch
+
+import kernels
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -31,6 +34,7 @@ class AsyncEngine:
         self._stopped = False
         self._error: BaseException | None = None
         self._stats = self.engine.stats()           # snapshot published by the engine thread (no cross-thread reads)
+        self.num_threads = self.engine.args.num_threads or torch.get_num_threads()  # the engine thread's, fixed
         self._thread = threading.Thread(target=self._run, name="rtserve-engine", daemon=True)
         self._thread.start()
 
@@ -121,6 +125,7 @@ class AsyncEngine:
                         self.engine.abort_request(rid)
 
     def _run(self) -> None:
+        kernels.set_thread_count(self.num_threads)  # (a Whisper or other worker thread may set a different count)
         while not self._stopped:
             self._drain_commands()
             self._stats = self.engine.stats()

@@ -688,7 +688,7 @@ class AudioOutput:
             self._queue(piece)
 
     def _queue(self, piece: str) -> None:
-        _trace(self.resp.id, "piece", piece)
+        _trace(f"{self.s.id}-{self.resp.id}", "piece", piece)
         text = self.part["transcript"]
         at = text.find(piece, self._search)
         self._search = at + len(piece) if at >= 0 else len(text)
@@ -743,7 +743,7 @@ class AudioOutput:
                 log.warning("response %s: TTS failed for %r: %s", self.resp.id, piece[:40], exc)
                 continue
             if self.first_audio_at is None:
-                _trace(self.resp.id, "first audio", piece)
+                _trace(f"{self.s.id}-{self.resp.id}", "first audio", piece)
                 self.first_audio_at = asyncio.get_running_loop().time()
             step = max(2, int(self.fmt.rate * self.fmt.bytes_per_sample * AUDIO_DELTA_MS / 1000))
             for i in range(0, len(raw), step):

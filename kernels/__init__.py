@@ -160,3 +160,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return op(gate_up.contiguous())
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def set_thread_count(n: int) -> None:
+    """Give the calling thread `n` intra-op threads for its torch and C++ ops, whatever other threads set.
+
+    Why: torch's count is per thread (OpenMP's), but a thread takes the process-wide value of the last
+    `torch.set_num_threads` call, from any thread, on its first parallel op. So each worker thread (the engine, Whisper)
+    fixes its own at start: first trigger that lazy initialisation (`get_num_threads` does), then set."""
+    torch.get_num_threads()
+    torch.set_num_threads(max(1, int(n)))
