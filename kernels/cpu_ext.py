@@ -25,16 +25,26 @@ _lock = threading.Lock()   # the engine and Whisper's loader thread both ask at 
 log = logging.getLogger("rtserve.kernels")
 
 
+_enabled = os.environ.get("RTSERVE_CPU_EXT", "1") != "0"   # read once: ops() runs ~250 times a decode step
+
+
 def enabled() -> bool:
-    return os.environ.get("RTSERVE_CPU_EXT", "1") != "0"
+    return _enabled
+
+
+def set_enabled(on: bool) -> None:
+    """Use the C++ ops (True) or the pure-torch path (False) from now on, whatever `RTSERVE_CPU_EXT` said."""
+    global _enabled
+    _enabled = bool(on)
 
 
 def ops():
     """torch.ops.rtserve_cpu, built or loaded on the first call (None if unavailable or disabled)."""
-    if not enabled():
+    if not _enabled:
         return None
-    if "ops" in _state:
-        return _state["ops"]
+    lib = _state.get("ops", _state)
+    if lib is not _state:
+        return lib
     with _lock:
         if "ops" in _state:
             return _state["ops"]

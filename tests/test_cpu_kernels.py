@@ -1,6 +1,7 @@
 """The CPU attention paths against a plain float64 reference: the C++ paged-decode op (kernels/csrc/, built on first use)
-and the pure-torch path it replaces for decodes (RTSERVE_CPU_EXT=0), on mixed batches of decodes and prefill chunks with
-shuffled physical blocks, GQA groups 1-4, head_dim 64 (the op's register-tiled path) and 32 (its generic loop)."""
+and the pure-torch path it replaces for decodes (RTSERVE_CPU_EXT=0 at start-up, or cpu_ext.set_enabled), on mixed
+batches of decodes and prefill chunks with shuffled physical blocks, GQA groups 1-4, head_dim 64 (the op's
+register-tiled path) and 32 (its generic loop)."""
 from __future__ import annotations
 
 import pytest
@@ -40,7 +41,7 @@ def test_the_cpp_op_builds_here():
 @pytest.mark.parametrize("group,head_dim", [(3, 64), (1, 64), (4, 64), (2, 32)])
 @pytest.mark.parametrize("block_size", [16, 8, 32])
 def test_mixed_batch_matches_reference(ext, dtype, group, head_dim, block_size, monkeypatch):
-    monkeypatch.setenv("RTSERVE_CPU_EXT", "1" if ext else "0")
+    monkeypatch.setattr(cpu_ext, "_enabled", ext)
     q, k_cache, v_cache, cu, seq_lens, tables = _batch(SPECS, block_size, 2, group, head_dim, dtype,
                                                        seed=group * head_dim)
     scale = head_dim ** -0.5
