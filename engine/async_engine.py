@@ -11,7 +11,7 @@ import itertools
 import queue
 import threading
 from collections import defaultdict
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 import torch
 
@@ -34,11 +34,7 @@ class AsyncEngine:
         self._stopped = False
         self._error: BaseException | None = None
         self._stats = self.engine.stats()           # snapshot published by the engine thread (no cross-thread reads)
-        self.num_threads = self.engine.args.num_threads or torch.get_num_threads()  # the engine thread's
-        # Set by the owner: a cap on the threads of the next step (None: no cap), asked before every step. The gateway
-        # caps at 1 while speech synthesis or Whisper runs beside the engine on the same few cores.
-        self.thread_limit: Callable[[], int | None] | None = None
-        self.threads_now = self.num_threads
+        self.num_threads = self.engine.args.num_threads or torch.get_num_threads()  # the engine thread's, fixed
         self._thread = threading.Thread(target=self._run, name="rtserve-engine", daemon=True)
         self._thread.start()
 
@@ -128,22 +124,6 @@ class AsyncEngine:
                     if rid is not None:
                         self.engine.abort_request(rid)
 
-    def _apply_thread_limit(self) -> None:
-        """Why: two OpenMP threads share 2 cores with two busy piper threads badly, since every parallel op waits for
-        its descheduled partner. There a decode step (8 rows) took about as long on one thread (47-57 against 54-73 ms)
-        and a piper clause ran ~25 % faster beside it (150 against 205 ms)."""
-        want = self.num_threads
-        if self.thread_limit is not None:
-            try:
-                cap = self.thread_limit()
-            except Exception:  # noqa: BLE001 - a broken policy must not stop the engine
-                cap = None
-            if cap:
-                want = min(want, int(cap))
-        if want != self.threads_now:
-            kernels.set_thread_count(want)
-            self.threads_now = want
-
     def _run(self) -> None:
         kernels.set_thread_count(self.num_threads)  # (a Whisper or other worker thread may set a different count)
         while not self._stopped:
@@ -153,7 +133,6 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            self._apply_thread_limit()
             try:
                 outputs = self.engine.step()
             except Exception as e:                    # a bug must not hang every consumer: fail what is in flight

@@ -94,13 +94,6 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
 def _attach(app: Starlette, engine) -> None:
     app.state.engine = engine
     app.state.renderer = PromptRenderer(engine.tokenizer)
-    audio = app.state.audio
-    if audio is not None and hasattr(engine, "thread_limit"):
-        # while piper or Whisper work, the engine steps on one thread (AudioStage.busy); apps sharing one engine
-        # (tests, embedding) each add their stage
-        def limit(prev=engine.thread_limit) -> int | None:
-            return 1 if audio.busy else (prev() if prev is not None else None)
-        engine.thread_limit = limit
 
 
 async def _load_engine(settings: Settings):

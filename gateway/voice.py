@@ -64,7 +64,6 @@ class AudioStage:
     _changed: asyncio.Event | None = field(default=None, repr=False)
     _dispatchers: list = field(default_factory=list, repr=False)  # one per TTS thread, background ones last
     _seq: itertools.count = field(default_factory=itertools.count, repr=False)
-    _speaking: int = 0  # syntheses running on the normal TTS threads
     speculations: dict = field(default_factory=lambda: {"started": 0, "used": 0, "pregenerated": 0, "adopted": 0,
                                                          "spoken": 0})
     speech_stats: dict = field(default_factory=lambda: {"requests": 0, "seconds": 0.0, "max_seconds": 0.0,
@@ -108,13 +107,6 @@ class AudioStage:
                 heapq.heapify(self._jobs)
 
     @property
-    def busy(self) -> bool:
-        """Urgent audio work is running: a clause on a normal TTS thread, or a transcription (read by the engine
-        thread before each step, which then runs on one thread: see AsyncEngine.thread_limit)."""
-        tr = self.transcriber
-        return self._speaking > 0 or (tr is not None and tr.inflight > 0)
-
-    @property
     def speech_queued(self) -> int:
         """Clauses waiting for a TTS thread."""
         return len(self._jobs)
@@ -150,15 +142,12 @@ class AudioStage:
             _trace("tts", "background" if background else "start",
                    (round(deadline - asyncio.get_running_loop().time(), 3), text))
             start = time.perf_counter()
-            self._speaking += not background
             try:
                 raw = await self.tts.speak_format(text, fmt, speed, background=background)
             except Exception as exc:  # noqa: BLE001 - handed to the waiting response
                 if not done.done():
                     done.set_exception(exc)
                 continue
-            finally:
-                self._speaking -= not background
             took = time.perf_counter() - start
             _trace("tts", "end", (round(took, 3), text))
             st = self.speech_stats

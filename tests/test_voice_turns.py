@@ -228,32 +228,3 @@ async def test_reply_spoken_during_the_pause_is_dropped_or_sent(server):
     stats = await server.wait_idle()
     assert stats["requests_running"] == 0 and stats["kv_blocks_used"] == 0
     assert not server.app.state.sessions
-
-
-async def test_engine_steps_on_one_thread_while_audio_works(server):
-    """While piper speaks a reply (or Whisper transcribes), the shared engine's steps run on one intra-op thread, and
-    on all of its threads again once the audio work is done."""
-    engine = server.engine
-    assert engine.thread_limit is not None and engine.num_threads >= 1
-    raw = await open_voice(server, {**VOICE_SESSION, "max_output_tokens": 60,
-                                    "instructions": "You are a helpful assistant. Answer in three sentences."})
-    seen: set[int] = set()
-
-    async def watch():
-        while True:
-            seen.add(engine.threads_now)
-            await asyncio.sleep(0.002)
-    watcher = asyncio.create_task(watch())
-    await raw.send({"type": "conversation.item.create", "item": {
-        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me about Paris."}]}})
-    await raw.send({"type": "response.create"})
-    await raw.until("response.done")
-    watcher.cancel()
-    await raw.ws.close()
-    await server.wait_idle()
-    assert 1 in seen, seen
-    # a text-only request with no audio work around: the engine's own thread count again
-    from engine import SamplingParams
-    async for _ in engine.generate(None, [1, 2, 3, 4], SamplingParams(max_tokens=4, ignore_eos=True)):
-        pass
-    assert engine.threads_now == engine.num_threads
