@@ -4,14 +4,10 @@
 synthesis on a small pool of threads (``TTS_THREADS``, each with its own voice instance) so sessions can
 ``await speak(...)`` without blocking the event loop.
 
-Threads: piper's ONNX session gets one intra-op thread, so a synthesis runs on the thread that asked for it.  On the
-2-core box, two synthesis threads with one ONNX thread each finished 8 clauses in ~1.03 s vs ~1.75 s for one thread
-with onnxruntime's default intra-op pool (which spins and barely scales on this small model); a single clause takes
-about as long either way.  Phonemization (espeak-ng) is serialized by piper's own lock.
-
-Background threads (``speak(..., background=True)``) run at a lower OS priority (nice +BACKGROUND_NICE on Linux, which
-sets it per thread): speech that is not needed yet (a reply's later clauses, ahead of playback) then takes only CPU
-that nothing urgent wants — the first clauses of other replies, the LLM and Whisper keep theirs.
+Threads: piper's ONNX session gets one intra-op thread.  On the 2-core box, two synthesis threads with
+one ONNX thread each finished 8 clauses in ~1.03 s vs ~1.75 s for one thread with onnxruntime's default
+intra-op pool (which spins and barely scales on this small model); a single clause takes about as long
+either way.  Phonemization (espeak-ng) is serialized by piper's own lock.
 """
 
 from __future__ import annotations
@@ -30,8 +26,6 @@ from .resample import resample
 VOICE_RATE = 22_050
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
 TTS_THREADS = int(os.environ.get("RTSERVE_TTS_THREADS", "2"))  # synthesis threads (one voice + one ONNX thread each)
-BACKGROUND_THREADS = 1  # low-priority synthesis threads, for speech that is not needed yet
-BACKGROUND_NICE = 10    # CFS weight 110 against 1024 at nice 0: ~10 % of a contended core
 
 
 class TTSError(RuntimeError):
@@ -113,36 +107,22 @@ def get_synthesizer() -> Synthesizer:
         return _shared
 
 
-def _lower_priority() -> None:
-    """Thread initializer of the background pool: nice this thread only (Linux nice is per thread)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-    except (AttributeError, OSError):  # no setpriority on this platform: the thread runs at normal priority
-        pass
-
-
 class TTSWorker:
-    """Shared synthesis threads for all sessions (``threads``, default ``TTS_THREADS``, plus ``background`` low-priority
-    ones); awaitable from the event loop.
+    """Shared synthesis threads for all sessions (``threads``, default ``TTS_THREADS``); awaitable from the event loop.
 
     Each thread uses its own voice instance (the first is the process-wide one), so ``threads`` clauses are
-    synthesized at once (and ``background`` more at low priority).  Requests of a pool start in FIFO order.  A
-    cancelled ``speak`` that has not started is dropped; one that is running finishes on its thread and its result is
-    discarded (piper cannot be interrupted).  With a given ``synthesizer`` the worker has one thread and no background
-    pool (``background=True`` then runs on that thread).
+    synthesized at once.  Requests start in FIFO order.  A cancelled ``speak`` that has not started is dropped; one
+    that is running finishes on its thread and its result is discarded (piper cannot be interrupted).  With a given
+    ``synthesizer`` the worker has one thread.
     """
 
-    def __init__(self, synthesizer: Synthesizer | None = None, threads: int = TTS_THREADS,
-                 background: int = BACKGROUND_THREADS) -> None:
+    def __init__(self, synthesizer: Synthesizer | None = None, threads: int = TTS_THREADS) -> None:
         self.threads = 1 if synthesizer is not None else max(1, int(threads))
-        self.background = 0 if synthesizer is not None else max(0, int(background))
         self._given = synthesizer
         self._free: list[Synthesizer] = [synthesizer] if synthesizer is not None else []
         self._loaded = len(self._free)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="rtserve-tts")
-        self._bg_pool = ThreadPoolExecutor(max_workers=self.background, thread_name_prefix="rtserve-tts-bg",
-                                           initializer=_lower_priority) if self.background else self._pool
 
     @property
     def synthesizer(self) -> Synthesizer:
@@ -170,12 +150,12 @@ class TTSWorker:
             with self._lock:
                 self._free.append(synth)
 
-    async def _run(self, fn, background: bool = False):
+    async def _run(self, fn):
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._bg_pool if background else self._pool, self._with_voice, fn)
+        return await loop.run_in_executor(self._pool, self._with_voice, fn)
 
     def _warm_all(self) -> None:
-        synths = [self._acquire() for _ in range(self.threads + self.background)]
+        synths = [self._acquire() for _ in range(self.threads)]
         try:
             for synth in synths:
                 synth.synthesize("Hello.")
@@ -187,15 +167,13 @@ class TTSWorker:
         """Load and warm every thread's voice instance, so no request waits on a load."""
         await asyncio.get_running_loop().run_in_executor(self._pool, self._warm_all)
 
-    async def speak(self, text: str, rate: int = 24_000, speed: float = 1.0, background: bool = False) -> np.ndarray:
-        """int16 mono at ``rate``; ``background``: on a low-priority thread."""
-        return await self._run(lambda s: s.synthesize_at(text, rate, speed), background)
+    async def speak(self, text: str, rate: int = 24_000, speed: float = 1.0) -> np.ndarray:
+        """int16 mono at ``rate``."""
+        return await self._run(lambda s: s.synthesize_at(text, rate, speed))
 
-    async def speak_format(self, text: str, fmt: AudioFormat | dict | str | None, speed: float = 1.0,
-                           background: bool = False) -> bytes:
+    async def speak_format(self, text: str, fmt: AudioFormat | dict | str | None, speed: float = 1.0) -> bytes:
         """Bytes in the session output format, ready for base64 in ``response.output_audio.delta``."""
-        return await self._run(lambda s: s.synthesize_format(text, fmt, speed), background)
+        return await self._run(lambda s: s.synthesize_format(text, fmt, speed))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._bg_pool.shutdown(wait=False, cancel_futures=True)

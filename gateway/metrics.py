@@ -77,9 +77,6 @@ class AudioCollector:
         yield GaugeMetricFamily("rtserve_whisper_rtf", "Whisper compute seconds per audio second.", value=tr["rtf"])
         tts = stats.get("tts") or {}
         yield CounterMetricFamily("rtserve_tts_requests", "Clauses synthesized.", value=tts.get("requests", 0))
-        yield CounterMetricFamily("rtserve_tts_background_requests",
-                                  "Clauses synthesized on the low-priority thread (not yet needed when they started).",
-                                  value=tts.get("background", 0))
         yield CounterMetricFamily("rtserve_tts_seconds", "Seconds spent synthesizing.", value=tts.get("seconds", 0.0))
         yield GaugeMetricFamily("rtserve_tts_max_seconds", "Longest synthesis of one clause.",
                                 value=tts.get("max_seconds", 0.0))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import heapq
 import itertools
 import logging
 import threading
@@ -43,31 +42,24 @@ AUDIO_DELTA_MS = 200  # one response.output_audio.delta carries at most this muc
 FIRST_PIECE_MIN_WORDS = 2  # the first spoken piece ends at a clause boundary after this many words, or a sentence
 FIRST_PIECE_MAX_WORDS = 4  # ... or, with no punctuation yet, at a word boundary after this many (first audio sooner)
 SPECULATIVE_PIECES = 2  # pieces of a pregenerated reply synthesized before the turn is known to have ended
-URGENT_S = 0.5  # a clause needed within this long goes to the normal TTS threads, a later one to the background one
-SECONDS_PER_WORD = 0.3  # piper joe speaks ~3.4 words/s: a guess at how long a piece not yet synthesized will play
 
 
 @dataclass(slots=True)
 class AudioStage:
     """Shared audio workers. Created cheaply; `start()` spawns them (Whisper loads in its own thread).
 
-    Speech synthesis is scheduled by deadline: each clause says when its listener needs it (a reply's first clause:
-    now; a later one: when the audio already sent would run out if played in real time). The TTS threads take the
-    earliest clause due within URGENT_S; the low-priority background thread takes the earliest of the others. So with
-    many sessions replying at once, their first clauses are spoken first, and a reply's later clauses, which have the
-    time the earlier ones take to play, take only CPU that nothing urgent wants (they move to the TTS threads if they
-    come due while waiting)."""
+    Speech synthesis goes through one priority queue: a response's first clause is spoken before anyone's later
+    clauses, so with many sessions replying at once each gets its first audio early (later clauses have the time the
+    earlier ones take to play)."""
     transcriber: Transcriber | None = None
     tts: TTSWorker | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _jobs: list = field(default_factory=list, repr=False)  # heap of (deadline, seq, text, fmt, speed, future)
-    _changed: asyncio.Event | None = field(default=None, repr=False)
-    _dispatchers: list = field(default_factory=list, repr=False)  # one per TTS thread, background ones last
+    _speech: asyncio.PriorityQueue | None = field(default=None, repr=False)
+    _dispatchers: list = field(default_factory=list, repr=False)  # one per TTS thread
     _seq: itertools.count = field(default_factory=itertools.count, repr=False)
     speculations: dict = field(default_factory=lambda: {"started": 0, "used": 0, "pregenerated": 0, "adopted": 0,
                                                          "spoken": 0})
-    speech_stats: dict = field(default_factory=lambda: {"requests": 0, "seconds": 0.0, "max_seconds": 0.0,
-                                                        "background": 0})
+    speech_stats: dict = field(default_factory=lambda: {"requests": 0, "seconds": 0.0, "max_seconds": 0.0})
 
     def start(self) -> "AudioStage":
         with self._lock:
@@ -83,76 +75,34 @@ class AudioStage:
         with contextlib.suppress(Exception):
             await self.tts.warmup()
 
-    async def speak(self, deadline: float, text: str, fmt, speed: float) -> bytes:
-        """Synthesize `text` in `fmt`, needed by `deadline` (event-loop time; earliest first). Cancelling the caller
-        drops the request if it has not started."""
+    async def speak(self, priority: int, text: str, fmt, speed: float) -> bytes:
+        """Synthesize `text` in `fmt`; lower `priority` first (the clause's index in its response). Cancelling the
+        caller drops the request if it has not started."""
         if not self._dispatchers or any(d.done() for d in self._dispatchers):
             for d in self._dispatchers:
                 d.cancel()
-            self._jobs, self._changed = [], asyncio.Event()
-            tts = self.start().tts
-            self._dispatchers = [asyncio.create_task(self._dispatch(False), name=f"rtserve-tts-dispatch-{i}")
-                                 for i in range(tts.threads)]
-            self._dispatchers += [asyncio.create_task(self._dispatch(True), name=f"rtserve-tts-background-{i}")
-                                  for i in range(tts.background)]
+            self._speech = asyncio.PriorityQueue()  # one consumer per TTS thread: `threads` clauses at once
+            self._dispatchers = [asyncio.create_task(self._dispatch(), name=f"rtserve-tts-dispatch-{i}")
+                                 for i in range(self.start().tts.threads)]
         done = asyncio.get_running_loop().create_future()
-        job = (deadline, next(self._seq), text, fmt, speed, done)
-        heapq.heappush(self._jobs, job)
-        self._changed.set()
-        try:
-            return await done
-        finally:
-            if job in self._jobs:  # cancelled before a thread took it: nothing of it stays queued
-                self._jobs.remove(job)
-                heapq.heapify(self._jobs)
+        self._speech.put_nowait((priority, next(self._seq), text, fmt, speed, done))
+        return await done
 
-    @property
-    def speech_queued(self) -> int:
-        """Clauses waiting for a TTS thread."""
-        return len(self._jobs)
-
-    def _take(self, background: bool) -> tuple | float | None:
-        """The job this dispatcher runs now, else how long until one comes due for it (None: wait for a new job)."""
-        jobs, now = self._jobs, asyncio.get_running_loop().time()
-        while jobs and jobs[0][-1].done():  # cancelled while queued
-            heapq.heappop(jobs)
-        if not jobs:
-            return None
-        if not background:  # (with no background thread, everything is theirs)
-            due = jobs[0][0] <= now + URGENT_S or not self.tts.background
-            return heapq.heappop(jobs) if due else jobs[0][0] - URGENT_S - now
-        later = [j for j in jobs if j[0] > now + URGENT_S and not j[-1].done()]  # the urgent ones are for the others
-        if not later:
-            return None
-        job = min(later)
-        jobs.remove(job)
-        heapq.heapify(jobs)
-        return job
-
-    async def _dispatch(self, background: bool) -> None:
+    async def _dispatch(self) -> None:
         while True:
-            job = self._take(background)
-            if not isinstance(job, tuple):
-                self._changed.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), job)
+            _, _, text, fmt, speed, done = await self._speech.get()
+            if done.done():  # its response was cancelled while it waited
                 continue
-            self._changed.set()  # the queue changed: let the others look again
-            deadline, _, text, fmt, speed, done = job
-            _trace("tts", "background" if background else "start",
-                   (round(deadline - asyncio.get_running_loop().time(), 3), text))
             start = time.perf_counter()
             try:
-                raw = await self.tts.speak_format(text, fmt, speed, background=background)
+                raw = await self.tts.speak_format(text, fmt, speed)
             except Exception as exc:  # noqa: BLE001 - handed to the waiting response
                 if not done.done():
                     done.set_exception(exc)
                 continue
             took = time.perf_counter() - start
-            _trace("tts", "end", (round(took, 3), text))
             st = self.speech_stats
             st["requests"] += 1
-            st["background"] += background
             st["seconds"] += took
             st["max_seconds"] = max(st["max_seconds"], took)
             if not done.done():
@@ -558,9 +508,7 @@ class Pregen:
             if not self._speaking or len(self.spoken) >= SPECULATIVE_PIECES:
                 self._speaking = False
                 return
-            # the first piece is due at once (the turn may be over); the next when the first would have played
-            deadline = asyncio.get_running_loop().time() + sum(_play_estimate(p) for p, _ in self.spoken)
-            task = asyncio.create_task(plan.stage.speak(deadline, piece, plan.fmt, plan.speed),
+            task = asyncio.create_task(plan.stage.speak(len(self.spoken), piece, plan.fmt, plan.speed),
                                        name=f"{self.request_id}-tts{len(self.spoken)}")
             task.add_done_callback(_retrieve)
             _trace(self.request_id, "speculative piece", piece)
@@ -635,11 +583,6 @@ def _trace(what: str, event: str, detail=None) -> None:
     """Debug timeline of a turn's speculation (`--log-level debug`)."""
     if log.isEnabledFor(logging.DEBUG):
         log.debug("trace %.3f %s %s %s", time.perf_counter(), what, event, "" if detail is None else repr(detail))
-
-
-def _play_estimate(piece: str) -> float:
-    """Seconds a piece not yet synthesized will play (a guess from its words)."""
-    return SECONDS_PER_WORD * len(piece.split())
 
 
 def _retrieve(task: asyncio.Task) -> None:
@@ -724,13 +667,8 @@ class AudioOutput:
         finally:
             self._drop_prespoken()
 
-    def _deadline(self) -> float:
-        """When the listener needs the next piece: now for the first, else when the audio sent so far, played in
-        real time from the first delta, runs out."""
-        now = asyncio.get_running_loop().time()
-        return now if self.first_audio_at is None else self.first_audio_at + self.audio_ms / 1000
-
     async def _speak_pieces(self) -> None:
+        index = 0
         while (job := await self._pieces.get()) is not None:
             piece, chars = job
             try:
@@ -738,7 +676,8 @@ class AudioOutput:
                     raw = await self._prespoken.pop(0)[1]
                 else:
                     self._drop_prespoken()  # (pieces are cut identically, so this only happens if the text differs)
-                    raw = await self.stage.speak(self._deadline(), piece, self.fmt, self.speed)
+                    raw = await self.stage.speak(index, piece, self.fmt, self.speed)
+                index += 1
             except (TTSError, AudioError) as exc:
                 log.warning("response %s: TTS failed for %r: %s", self.resp.id, piece[:40], exc)
                 continue

@@ -170,12 +170,12 @@ async def test_disconnects_leave_nothing_behind(server):
         await raw.ws.close()
     for _ in range(200):
         stats = await server.wait_idle()
-        busy = stage.stats()["transcriptions_inflight"] or stage.speech_queued
+        busy = stage.stats()["transcriptions_inflight"] or (stage._speech is not None and stage._speech.qsize())
         if not busy and not server.app.state.sessions and stats["kv_blocks_used"] == 0:
             break
         await asyncio.sleep(0.1)
     assert stats["kv_blocks_used"] == 0 and stats["requests_running"] == 0
-    assert stage.stats()["transcriptions_inflight"] == 0 and stage.speech_queued == 0
+    assert stage.stats()["transcriptions_inflight"] == 0 and stage._speech.qsize() == 0
     assert not server.app.state.sessions
 
 
