@@ -13,8 +13,6 @@ import threading
 from collections import defaultdict
 from typing import AsyncIterator
 
-import torch
-
 import kernels
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -34,7 +32,7 @@ class AsyncEngine:
         self._stopped = False
         self._error: BaseException | None = None
         self._stats = self.engine.stats()           # snapshot published by the engine thread (no cross-thread reads)
-        self.num_threads = self.engine.args.num_threads or torch.get_num_threads()  # the engine thread's, fixed
+        self.num_threads = self.engine.args.num_threads or kernels.default_thread_count()  # the engine thread's
         self._thread = threading.Thread(target=self._run, name="rtserve-engine", daemon=True)
         self._thread.start()
 

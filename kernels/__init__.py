@@ -162,6 +162,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def default_thread_count() -> int:
+    """torch's own default intra-op thread count (OMP_NUM_THREADS, else the CPUs this process may use), whatever
+    `torch.set_num_threads` calls other threads have made since."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def set_thread_count(n: int) -> None:
     """Give the calling thread `n` intra-op threads for its torch and C++ ops, whatever other threads set.
 

@@ -113,3 +113,29 @@ def test_gguf_of_unsupported_architecture(tmp_path):
     w.close()
     with pytest.raises(ModelLoadError, match="mamba"):
         LLM(model=str(path))
+
+
+async def test_engine_thread_keeps_the_default_thread_count():
+    """A worker that set one intra-op thread for itself (Whisper does) before the engine loads in a fresh thread (the
+    gateway loads it with asyncio.to_thread) must not leave the engine with one."""
+    import threading
+
+    import torch
+
+    import kernels
+
+    t = threading.Thread(target=lambda: kernels.set_thread_count(1))
+    t.start()
+    t.join()
+    try:
+        eng = await asyncio.to_thread(AsyncEngine, kv_cache_memory="64MiB")
+        try:
+            assert eng.num_threads == kernels.default_thread_count()
+            toks, _, _ = await collect(eng, "t", [1, 2, 3])
+            assert len(toks) == 12
+        finally:
+            eng.shutdown()
+    finally:
+        t = threading.Thread(target=lambda: torch.set_num_threads(kernels.default_thread_count()))
+        t.start()
+        t.join()
