@@ -431,18 +431,19 @@ class Decoder:
         n, p_new = encoded.shape[:2]
         limit = self.max_len - 2
         lengths = [p_new] * n if lengths is None else list(lengths)
-        self.rows += [_Row(k, min(limit, c), ln) for k, c, ln in zip(keys, caps, lengths)]
+        rows = [_Row(k, min(limit, c), ln) for k, c, ln in zip(keys, caps, lengths)]
 
         def split(x: torch.Tensor) -> torch.Tensor:
             return x.view(n, -1, self.heads, self.head_dim).transpose(1, 2)
         cross = [(split(layer.encoder_attn.k_proj(encoded)), split(layer.encoder_attn.v_proj(encoded)))
                  for layer in self.dec.layers]
-        # the self-attention cache holds the longest row (SOT, NO_TIMESTAMPS and its cap); zeros, not empty: masked
-        # positions still meet V (softmax weight 0 times a NaN bit pattern is NaN)
-        span = max(2 + r.cap for r in self.rows)
+        # the self-attention cache holds the longest row (SOT, NO_TIMESTAMPS and its cap), and never shrinks while
+        # rows remain; zeros, not empty: masked positions still meet V (softmax weight 0 times a NaN bit pattern is NaN)
+        span = max([2 + r.cap for r in rows] + ([self.self_k.shape[3]] if self.rows else []))
         shape = (len(self.dec.layers), n, self.heads, span, self.head_dim)
         k_new, v_new = torch.zeros(shape, dtype=encoded.dtype), torch.zeros(shape, dtype=encoded.dtype)
-        if self.cross is None:
+        self.rows += rows
+        if len(self.rows) == n:
             self.cross = [(k.contiguous(), v.contiguous()) for k, v in cross]
             self.self_k, self.self_v = k_new, v_new
             return

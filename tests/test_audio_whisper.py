@@ -290,3 +290,19 @@ async def test_a_late_request_joins_the_running_decoder(transcriber, clips):
     assert jiwer.wer(REF, _norm(texts[1])) <= 0.2 and "village" in _norm(texts[0]), texts
     assert transcriber.stats.max_decode_rows >= 2
     assert transcriber.stats.decode_rows - rows > transcriber.stats.decode_steps - steps  # some steps had two rows
+
+
+def test_a_row_joins_after_a_longer_capped_row_left(model, clips):
+    """The self-attention cache keeps the length of the longest row that has been in it: a silent 20 s window (token
+    cap 216) ends at SOT, and a row that joins the remaining one later still fits and decodes its question."""
+    dec = model.decoder()
+    silent = np.zeros(16000 * 20, np.float32)
+    enc = model.encode(model.features([silent, clips["piper"]]))
+    dec.add(enc, ["silent", "first"], [model.max_tokens_for(len(silent)), model.max_tokens_for(len(clips["piper"]))])
+    done = {k: t for k, t, d in dec.step() if d}
+    assert done == {"silent": []} and [r.key for r in dec.rows] == ["first"]
+    dec.add(model.encode(model.features([clips["espeak"]])), ["second"], [model.max_tokens_for(len(clips["espeak"]))])
+    while dec.rows:
+        done.update({k: list(t) for k, t, d in dec.step() if d})
+    assert jiwer.wer(REF, _norm(model.detokenize(done["first"]))) <= 0.2, done
+    assert jiwer.wer(REF, _norm(model.detokenize(done["second"]))) <= 0.2, done
