@@ -404,7 +404,8 @@ class _Row:
 class Decoder:
     """Whisper's greedy decoder with continuous batching: rows (one audio window each) join between steps with their
     encoder output (``add``) and leave when done or dropped, like sequences in the LLM engine, so transcriptions that
-    start at different moments still share their decoder steps (a step costs about the same for 1 row as for 8).
+    start at different moments still share their decoder steps (a step of 8 rows took ~2x one of 1 row here: 7.8
+    against 3.7 ms).
 
     Each step feeds one token per row at that row's own position: SOT (whose logits give the no-speech probability),
     then NO_TIMESTAMPS, then the last token. The self-attention cache is one preallocated tensor per layer with a
