@@ -306,3 +306,35 @@ def test_a_row_joins_after_a_longer_capped_row_left(model, clips):
         done.update({k: list(t) for k, t, d in dec.step() if d})
     assert jiwer.wer(REF, _norm(model.detokenize(done["first"]))) <= 0.2, done
     assert jiwer.wer(REF, _norm(model.detokenize(done["second"]))) <= 0.2, done
+
+
+@pytest.mark.slow
+async def test_staggered_arrivals_and_cancellations_leave_nothing_behind(transcriber, clips):
+    """Twelve requests arrive at staggered moments; every third consumer goes away mid-way (before or after its row
+    joined). The others transcribe correctly, and the worker ends with nothing queued or decoding."""
+    import random
+    rng = random.Random(0)
+    cancelled = transcriber.stats.cancelled
+
+    async def one(i: int) -> str | None:
+        await asyncio.sleep(rng.uniform(0, 0.3))
+        stream = transcriber.transcribe(clips["piper" if i % 2 else "espeak"])
+        if i % 3 == 0:
+            await asyncio.sleep(rng.uniform(0, 0.05))
+            await stream.aclose()
+            return None
+        return await stream.result()
+
+    texts = await asyncio.gather(*(one(i) for i in range(12)))
+    for i, text in enumerate(texts):
+        if i % 3:
+            assert jiwer.wer(REF, _norm(text)) <= 0.2, (i, text)
+    for _ in range(200):
+        if transcriber.inflight == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert transcriber.inflight == 0
+    # each of the four left within 50 ms of submitting, before a ~60 ms transcription could end (one that had ended
+    # would not count as a cancel)
+    assert 1 <= transcriber.stats.cancelled - cancelled <= 4
+    assert transcriber.stats.max_decode_rows >= 2
