@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 MIN_SAMPLES = SAMPLE_RATE // 100  # 10 ms: anything shorter is not a segment
 # Intra-op threads of the worker. One: beside the LLM engine and the TTS threads on a small CPU, a Whisper turn with
-# two threads stalled at every parallel op for the other thread (332 ms against 230 ms with one, p50, with the engine
-# and two TTS threads busy on 2 vCPUs; 68 against 85 ms when idle).
+# two threads stalled at every parallel op for the other thread (p50 with the engine and two TTS threads busy on
+# 2 vCPUs: 230 ms on one thread, 332 ms on two; idle: 85 ms on one, 68 ms on two).
 WHISPER_THREADS = int(os.environ.get("RTSERVE_WHISPER_THREADS", "1"))
 
 

@@ -28,23 +28,12 @@ log = logging.getLogger("rtserve.kernels")
 _enabled = os.environ.get("RTSERVE_CPU_EXT", "1") != "0"   # read once: ops() runs ~250 times a decode step
 
 
-def enabled() -> bool:
-    return _enabled
-
-
-def set_enabled(on: bool) -> None:
-    """Use the C++ ops (True) or the pure-torch path (False) from now on, whatever `RTSERVE_CPU_EXT` said."""
-    global _enabled
-    _enabled = bool(on)
-
-
 def ops():
     """torch.ops.rtserve_cpu, built or loaded on the first call (None if unavailable or disabled)."""
     if not _enabled:
         return None
-    lib = _state.get("ops", _state)
-    if lib is not _state:
-        return lib
+    if "ops" in _state:
+        return _state["ops"]
     with _lock:
         if "ops" in _state:
             return _state["ops"]

@@ -1,5 +1,5 @@
 """The CPU attention paths against a plain float64 reference: the C++ paged-decode op (kernels/csrc/, built on first use)
-and the pure-torch path it replaces for decodes (RTSERVE_CPU_EXT=0 at start-up, or cpu_ext.set_enabled), on mixed
+and the pure-torch path it replaces for decodes (RTSERVE_CPU_EXT=0 at start-up; here `cpu_ext._enabled`), on mixed
 batches of decodes and prefill chunks with shuffled physical blocks, GQA groups 1-4, head_dim 64 (the op's
 register-tiled path) and 32 (its generic loop)."""
 from __future__ import annotations
