@@ -56,6 +56,14 @@ Errors all derive from ``AudioError`` (``.code``, ``.message``, ``.param`` for t
 ``TranscriptionError``/``TTSError`` (RuntimeError subclasses with a ``code``).  ``transcriber.stats``
 (``TranscriberStats.snapshot()``) has batch sizes, encoder/decoder seconds, audio seconds and RTF.
 
-Environment: ``RTSERVE_CACHE`` (default ``~/.cache/rtserve``) holds the converted Whisper weights;
-``RTSERVE_WHISPER_DTYPE`` = bfloat16 (default, fast path) | float32 (exact).
+Environment: ``RTSERVE_CACHE`` (default ``~/.cache/rtserve``) holds the converted Whisper weights and the piper voice
+split into encoder and vocoder; ``RTSERVE_WHISPER_DTYPE`` = bfloat16 (default, fast path) | float32 (exact).
 """
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted model files are cached (``$RTSERVE_CACHE``, default ``~/.cache/rtserve``)."""
+    return Path(os.environ.get("RTSERVE_CACHE", Path.home() / ".cache" / "rtserve"))

