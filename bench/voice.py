@@ -154,7 +154,8 @@ def server_batches(url: str) -> str:
     spec = dict(re.findall(r'rtserve_speculative_transcriptions_(started|used)_total ([0-9.]+)', text))
     spec.update(re.findall(r'rtserve_speculative_replies_(pregenerated|adopted)_total ([0-9.]+)', text))
     spoken = re.findall(r'rtserve_speculative_speech_pieces_used_total ([0-9.]+)', text)
-    tts = dict(re.findall(r'rtserve_tts_(requests_total|seconds_total|max_seconds) ([0-9.e+-]+)', text))
+    tts = dict(re.findall(r'rtserve_tts_(requests_total|seconds_total|max_seconds|max_first_chunk_seconds) '
+                          r'([0-9.e+-]+)', text))
     rtf = re.findall(r'rtserve_whisper_rtf ([0-9.e+-]+)', text)
     dec = dict(re.findall(r'rtserve_whisper_decode_(steps|rows)_total ([0-9.e+-]+)', text))
     mean_rows = float(dec.get("rows", 0)) / max(1.0, float(dec.get("steps", 0)))
@@ -167,7 +168,8 @@ def server_batches(url: str) -> str:
         f"; Whisper RTF (encoder+decoder, served) {float(rtf[0]) if rtf else float('nan'):.3f}" + \
         f"; TTS clauses {float(tts.get('requests_total', 0)):.0f}, mean " + \
         f"{1000 * float(tts.get('seconds_total', 0)) / max(1.0, float(tts.get('requests_total', 0))):.0f} ms, " + \
-        f"max {1000 * float(tts.get('max_seconds', 0)):.0f} ms"
+        f"max {1000 * float(tts.get('max_seconds', 0)):.0f} ms, max to first chunk " + \
+        f"{1000 * float(tts.get('max_first_chunk_seconds', 0)):.0f} ms"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -77,6 +77,10 @@ class AudioCollector:
         yield GaugeMetricFamily("rtserve_whisper_rtf", "Whisper compute seconds per audio second.", value=tr["rtf"])
         tts = stats.get("tts") or {}
         yield CounterMetricFamily("rtserve_tts_requests", "Clauses synthesized.", value=tts.get("requests", 0))
+        yield CounterMetricFamily("rtserve_tts_steps", "Synthesis steps (a sentence's encoding, a vocoder window).",
+                                  value=tts.get("steps", 0))
+        yield GaugeMetricFamily("rtserve_tts_max_first_chunk_seconds", "Longest compute for a clause's first audio.",
+                                value=tts.get("max_first_chunk_seconds", 0.0))
         yield CounterMetricFamily("rtserve_tts_seconds", "Seconds spent synthesizing.", value=tts.get("seconds", 0.0))
         yield GaugeMetricFamily("rtserve_tts_max_seconds", "Longest synthesis of one clause.",
                                 value=tts.get("max_seconds", 0.0))

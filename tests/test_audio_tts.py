@@ -92,3 +92,70 @@ async def test_worker_cancel_drops_queued_work():
     with pytest.raises(TTSError):
         await worker.speak("Too fast.", speed=10)
     worker.close()
+
+
+def test_vocoder_windows_equal_the_whole_sentence(synth):
+    """The split voice vocoded window by window (with MARGIN_FRAMES of context) gives the whole sentence's samples, so
+    streaming changes when audio comes, not what it is."""
+    from audio.tts import CHUNK_FRAMES, FIRST_CHUNK_FRAMES
+
+    assert synth.vocoder is not None and synth.hop == 256
+    v = synth.voice
+    z = synth._encode(v.phonemes_to_ids(v.phonemize("The capital of France is Paris, a city of art.")[0]), 1.0)
+    whole = synth.vocoder.run(None, {synth.vocoder.get_inputs()[0].name: z})[0].ravel()
+    frames, bounds = z.shape[2], [0, FIRST_CHUNK_FRAMES]
+    while bounds[-1] < frames:
+        bounds.append(min(frames, bounds[-1] + CHUNK_FRAMES))
+    assert len(bounds) >= 4
+    parts = np.concatenate([synth._vocode(z, a, b) for a, b in zip(bounds, bounds[1:])])
+    assert len(parts) == len(whole) == frames * 256
+    assert np.abs(parts - whole).max() < 1e-4 * np.abs(whole).max()
+
+
+def test_stream_steps_first_audio_early(synth):
+    """The first step returns ~FIRST_CHUNK_FRAMES of audio, not the sentence; the steps add up to the whole text."""
+    from audio.tts import FIRST_CHUNK_FRAMES
+
+    stream = synth.stream("Hello there. The capital of France is Paris, a city of art and food.", rate=24000)
+    chunks = [stream.step(synth)]
+    first_expected = stream.expected_samples
+    while not stream.done:
+        chunks.append(stream.step(synth))
+    assert len(chunks) >= 4
+    window = FIRST_CHUNK_FRAMES * 256 * 24000 / 22050
+    assert window - 600 < len(chunks[0]) <= window  # less the resampler's delay (~18 ms), which the last step flushes
+    assert first_expected < stream.expected_samples  # the second sentence was encoded later
+    total = sum(map(len, chunks))
+    assert total == stream.samples and abs(total - stream.expected_samples) < 50
+    assert stream.step(synth).size == 0
+
+
+async def test_worker_serves_first_audio_by_deadline():
+    """Four replies asked at once on one thread: each gets its first audio before any gets its second chunk (the
+    earliest deadline goes first), and a cancelled job leaves the queue while the others finish."""
+    worker = TTSWorker(get_synthesizer())
+    order: list[tuple[int, int]] = []
+    text = "This is reply number {} and it is long enough to take several steps to speak."
+
+    async def read(i, job):
+        n = 0
+        async for _ in job.chunks():
+            order.append((i, n))
+            n += 1
+        return n
+
+    jobs = [worker.submit(text.format(i), "pcm16") for i in range(4)]
+    counts = await asyncio.gather(*(read(i, j) for i, j in enumerate(jobs)))
+    assert all(n >= 3 for n in counts), counts
+    firsts = [order.index((i, 0)) for i in range(4)]
+    seconds = [order.index((i, 1)) for i in range(4)]
+    assert max(firsts) < min(seconds), order
+    # cancel one mid-way: it stops, the other finishes, nothing stays queued
+    a, b = worker.submit(text.format("a"), "pcm16"), worker.submit(text.format("b"), "pcm16")
+    async for _ in a.chunks():
+        a.cancel()
+        break
+    assert len(await b.read()) > 24000
+    assert not a.finished and worker.pending == 0
+    assert worker.stats["requests"] == 5 and worker.stats["max_first_chunk_seconds"] > 0
+    worker.close()
