@@ -48,9 +48,11 @@ API for the gateway (one Realtime session in brackets, shared objects created at
     # speech out: LLM text deltas -> speakable pieces -> audio in the session's output format
     chunker = SentenceChunker()
     for piece in chunker.push(text_delta) (+ chunker.flush() at the end):
-        raw = await tts.speak_format(piece, out_fmt, speed=1.0)   # bytes: pcm16 LE 24 kHz or G.711 8 kHz
-        encode: base64.b64encode(raw) -> response.output_audio.delta
-        pcm = await tts.speak(piece, rate=24000) # or np.int16 at any rate
+        job = tts.submit(piece, out_fmt, speed=1.0, clock=reply_clock)   # one SpeechClock per reply
+        async for raw in job.chunks():           # bytes (pcm16 LE 24 kHz or G.711 8 kHz) as each window is vocoded
+            base64.b64encode(raw) -> response.output_audio.delta
+        job.cancel()                             # barge-in: the rest is never synthesized
+        raw = await tts.speak_format(piece, out_fmt)   # or all at once; pcm = await tts.speak(piece, rate=24000)
 
 Errors all derive from ``AudioError`` (``.code``, ``.message``, ``.param`` for the error event) except
 ``TranscriptionError``/``TTSError`` (RuntimeError subclasses with a ``code``).  ``transcriber.stats``

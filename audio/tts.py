@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import threading
@@ -338,10 +339,6 @@ class TTSWorker:
         self._closed = False
         self.stats = {"requests": 0, "steps": 0, "seconds": 0.0, "max_seconds": 0.0, "max_first_chunk_seconds": 0.0}
 
-    @property
-    def synthesizer(self) -> Synthesizer:
-        return self._given if self._given is not None else get_synthesizer()
-
     def _start(self) -> None:
         with self._cv:
             if self._workers or self._closed:
@@ -400,10 +397,8 @@ class TTSWorker:
                         st["max_seconds"] = max(st["max_seconds"], job.stream.seconds)
                 self._cv.notify()
             if not job.cancelled:
-                try:
+                with contextlib.suppress(RuntimeError):  # its event loop is closed
                     job._loop.call_soon_threadsafe(job._deliver, raw, error)
-                except RuntimeError:  # its event loop is closed
-                    pass
 
     def _pick(self) -> SpeechJob | None:
         """(lock held) The waiting job whose listener runs out of audio first."""
@@ -464,7 +459,11 @@ class TTSWorker:
             return len(self._jobs)
 
     def close(self) -> None:
+        """Stop the threads; jobs not finished end with a TTSError (their readers wake)."""
         with self._cv:
             self._closed = True
-            self._jobs.clear()
+            jobs, self._jobs = self._jobs, []
             self._cv.notify_all()
+        for job in jobs:
+            with contextlib.suppress(RuntimeError):  # its event loop is closed
+                job._loop.call_soon_threadsafe(job._deliver, None, TTSError("the TTS worker is closed"))

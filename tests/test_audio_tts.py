@@ -159,3 +159,18 @@ async def test_worker_serves_first_audio_by_deadline():
     assert not a.finished and worker.pending == 0
     assert worker.stats["requests"] == 5 and worker.stats["max_first_chunk_seconds"] > 0
     worker.close()
+
+
+async def test_closing_the_worker_ends_unfinished_jobs():
+    """A reader waiting on a job the closed worker will never finish gets a TTSError instead of hanging."""
+    worker = TTSWorker(get_synthesizer())
+    job = worker.submit("This reply is long enough to still be speaking when the worker is closed. " * 3, "pcm16")
+    queued = worker.submit("And this one never started.", "pcm16")
+    async for _ in job.chunks():
+        break
+    worker.close()
+    for j in (job, queued):
+        with pytest.raises(TTSError):
+            await asyncio.wait_for(j.read(), 10)
+    with pytest.raises(TTSError):
+        worker.submit("Too late.")
