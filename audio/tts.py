@@ -5,8 +5,9 @@ Piper's VITS graph is split once (cached under ``$RTSERVE_CACHE``) at the input 
 frame).  The vocoder is convolutional with a receptive field under ``MARGIN_FRAMES`` frames, so a window of frames
 vocoded with that margin on each side gives the same samples as the whole sentence (checked to 1e-4 in the tests).
 A ``SpeechStream`` therefore speaks in steps: encode a sentence, then vocode ``FIRST_CHUNK_FRAMES`` (~0.28 s of
-audio), then ``CHUNK_FRAMES`` at a time.  For "The capital of France" the first audio costs ~47 ms of work instead
-of the whole clause's ~90 ms, and it stays ~50 ms for a long sentence.
+audio), then windows that double up to ``CHUNK_FRAMES`` (~1.1 s), so each is made while the one before plays.  For
+"The capital of France" the first audio costs ~47 ms of work instead of the whole clause's ~90 ms, and it stays
+~50 ms for a long sentence.  ``rtserve bench tts`` measures a burst of first clauses both ways.
 
 ``TTSWorker`` runs streams on ``TTS_THREADS`` threads (each with its own voice instance and one ONNX intra-op
 thread: on the 2-core box two such threads finished 8 clauses in ~1.03 s vs ~1.75 s for one thread with
@@ -174,9 +175,12 @@ class SpeechStream:
     seconds: float = 0.0  # compute spent so far
     samples: int = 0  # audio returned so far (at ``rate``)
     expected_samples: int = 0  # audio of the sentences encoded so far (at ``rate``): known before it is vocoded
+    first_frames: int = FIRST_CHUNK_FRAMES  # the first vocoder window; later ones double up to max_frames
+    max_frames: int = CHUNK_FRAMES
     _sentences: list | None = None  # phoneme id lists not yet encoded
     _z: np.ndarray | None = None  # latent frames of the sentence being vocoded
     _pos: int = 0  # its frames already vocoded
+    _windows: int = 0  # vocoder windows run
     _resampler: StreamResampler | None = None
 
     def step(self, synth: Synthesizer) -> np.ndarray:
@@ -226,7 +230,9 @@ class SpeechStream:
                 return audio
         z, start = self._z, self._pos
         frames = z.shape[2]
-        stop = start + (FIRST_CHUNK_FRAMES if self.samples == 0 else CHUNK_FRAMES)
+        # windows double up to CHUNK_FRAMES: each is made while the one before plays, even with many streams at once
+        stop = start + min(self.max_frames, self.first_frames << min(self._windows, 8))
+        self._windows += 1
         if stop + MARGIN_FRAMES >= frames:  # no short tail window
             stop = frames
         audio = synth._vocode(z, start, stop)
@@ -272,7 +278,8 @@ class SpeechJob:
 
     def __init__(self, worker: "TTSWorker", text: str, fmt: AudioFormat, speed: float, clock: SpeechClock,
                  seq: int) -> None:
-        self.stream = SpeechStream(text, speed, fmt.rate)
+        self.stream = SpeechStream(text, speed, fmt.rate, first_frames=worker.window_frames[0],
+                                   max_frames=worker.window_frames[1])
         self.fmt, self.clock, self.seq, self._worker = fmt, clock, seq, worker
         self.cancelled = self.running = self.finished = False
         self.error: BaseException | None = None
@@ -328,8 +335,10 @@ class TTSWorker:
     ``synthesizer`` the worker has one thread.
     """
 
-    def __init__(self, synthesizer: Synthesizer | None = None, threads: int = TTS_THREADS) -> None:
+    def __init__(self, synthesizer: Synthesizer | None = None, threads: int = TTS_THREADS,
+                 window_frames: tuple[int, int] = (FIRST_CHUNK_FRAMES, CHUNK_FRAMES)) -> None:
         self.threads = 1 if synthesizer is not None else max(1, int(threads))
+        self.window_frames = window_frames  # (first, largest) vocoder window; (big, big): one run per sentence
         self._given = synthesizer
         self._cv = threading.Condition()
         self._jobs: list[SpeechJob] = []

@@ -1,0 +1,85 @@
+"""TTS burst benchmark: `rtserve bench tts [--pieces 8] [--rounds 3]`.
+
+Many replies start speaking at once (the 8-session voice burst): each asks the shared `TTSWorker` for its first
+clause at the same moment. Measured per clause, from the moment all were submitted: first audio, the whole clause,
+and the worst playback gap (how late a chunk came for gapless playback from the first one on). Two workers in the
+same process, in interleaved rounds: **streamed** (the server's: vocoder windows of 24 frames doubling to 96,
+earliest listener deadline first) and **whole clause** (the same split graph run once per sentence: piper's own
+way, which is the baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+from audio.tts import CHUNK_FRAMES, FIRST_CHUNK_FRAMES, TTS_THREADS, TTSWorker
+
+PIECES = ["The capital of France", "A spider has eight legs.", "Sure, here is a short", "Albania is a small country",
+          "The largest planet is Jupiter.", "Marcus Aurelius was a Roman", "One of the most famous",
+          "Water boils at one hundred", "Light travels very fast", "My favourite colour is blue,",
+          "Cats sleep most of the day.", "The answer is forty two.", "It depends on the weather,",
+          "Mount Everest is the highest", "Python is a programming language.", "Good morning to you too!"]
+
+
+async def _burst(worker: TTSWorker, pieces: list[str]) -> dict:
+    t0 = time.monotonic()
+    rate = 24_000
+
+    async def one(text: str) -> tuple[float, float, float]:
+        job = worker.submit(text, "pcm16")
+        first, played, gap = None, 0.0, 0.0
+        async for raw in job.chunks():
+            now = time.monotonic() - t0
+            if first is None:
+                first = now
+            else:
+                gap = max(gap, now - (first + played))
+            played += len(raw) / (2 * rate)
+        return first, time.monotonic() - t0, gap
+
+    res = await asyncio.gather(*(one(p) for p in pieces))
+    firsts, ends, gaps = zip(*res)
+    return {"first_p50": statistics.median(firsts), "first_max": max(firsts), "done_p50": statistics.median(ends),
+            "gap_max": max(gaps)}
+
+
+async def _run(args) -> None:
+    pieces = (PIECES * (args.pieces // len(PIECES) + 1))[:args.pieces]
+    workers = {"streamed": TTSWorker(threads=args.threads, window_frames=(FIRST_CHUNK_FRAMES, CHUNK_FRAMES)),
+               "whole clause": TTSWorker(threads=args.threads, window_frames=(1 << 20, 1 << 20))}
+    for w in workers.values():
+        await w.warmup()
+    rows: dict[str, list[dict]] = {k: [] for k in workers}
+    for _ in range(args.rounds):
+        for name, w in workers.items():
+            rows[name].append(await _burst(w, pieces))
+    for w in workers.values():
+        w.close()
+    print(f"rtserve bench tts: {args.pieces} first clauses at once, {args.threads} TTS threads, {args.rounds} "
+          "interleaved rounds (median of rounds)")
+    print("| synthesis | first audio p50 | first audio, last clause | clause done p50 | worst playback gap |")
+    print("|---|---:|---:|---:|---:|")
+    for name, rs in rows.items():
+        med = {k: 1000 * statistics.median(r[k] for r in rs) for k in rs[0]}
+        print(f"| {name} | {med['first_p50']:.0f} ms | {med['first_max']:.0f} ms | {med['done_p50']:.0f} ms | "
+              f"{med['gap_max']:.0f} ms |")
+    s, b = (1000 * statistics.median(r["first_p50"] for r in rows[k]) for k in ("streamed", "whole clause"))
+    print(f"first audio p50: streamed is {b / s:.2f}x sooner than whole-clause synthesis")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rtserve bench tts", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pieces", type=int, default=8, help="clauses submitted at once")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=TTS_THREADS)
+    args = ap.parse_args(argv)
+    asyncio.run(_run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
