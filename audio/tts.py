@@ -13,7 +13,8 @@ audio), then windows that double up to ``CHUNK_FRAMES`` (~1.1 s), so each is mad
 thread: on the 2-core box two such threads finished 8 clauses in ~1.03 s vs ~1.75 s for one thread with
 onnxruntime's default pool).  Between steps a thread takes the job whose listener runs out of audio first
 (earliest deadline: when its first audio went out plus the audio sent since, or when it was asked for if none
-went out yet), so with many replies starting at once everyone's first audio comes before anyone's later chunks.
+went out yet), so with many replies starting at once everyone's first audio comes before anyone's later chunks;
+and no reply's audio is made more than ``LOOKAHEAD_S`` ahead of its listener.
 
 Loudness: piper scales each sentence to full peak, which needs the whole sentence first; streams apply a fixed
 ``GAIN`` instead (this voice's sentence peaks are 0.39–0.62), so pieces of one reply are equally loud.
@@ -44,6 +45,9 @@ FIRST_CHUNK_FRAMES = 24  # first vocoder run of a stream: ~0.28 s of audio for ~
 CHUNK_FRAMES = 96  # later runs (~1.1 s of audio; each costs 2 × MARGIN_FRAMES of overlap)
 MARGIN_FRAMES = 16  # vocoder context on each side of a window (its receptive field is smaller)
 GAIN = 1.6  # fixed output gain (see the module docstring)
+# A reply's audio is made at most this far ahead of its listener: later windows wait, leaving the CPU to work that
+# someone waits on now (other turns' transcription, prefill, first audio). Steps take ≤ ~0.3 s even under load.
+LOOKAHEAD_S = float(os.environ.get("RTSERVE_TTS_LOOKAHEAD_S", "1.0"))
 _DECODER_INPUT_NODE = "/dec/conv_pre/Conv"  # the HiFi-GAN's first conv in piper's VITS export
 
 
@@ -257,16 +261,21 @@ def get_synthesizer() -> Synthesizer:
 
 
 class SpeechClock:
-    """A reply's audio timeline, shared by its pieces: the deadline by which its listener needs more audio."""
+    """A reply's audio timeline, shared by its pieces: the deadline by which its listener needs more audio.
 
-    __slots__ = ("created", "first_audio_at", "seconds_out")
+    ``paced=False`` (a caller that wants all the audio at once, not a listener): always due since it was created."""
 
-    def __init__(self) -> None:
+    __slots__ = ("created", "first_audio_at", "seconds_out", "paced")
+
+    def __init__(self, paced: bool = True) -> None:
         self.created = time.monotonic()
         self.first_audio_at: float | None = None
         self.seconds_out = 0.0  # audio produced so far
+        self.paced = paced
 
     def deadline(self) -> float:
+        if not self.paced:
+            return self.created
         return (self.first_audio_at or self.created) + self.seconds_out
 
 
@@ -336,9 +345,11 @@ class TTSWorker:
     """
 
     def __init__(self, synthesizer: Synthesizer | None = None, threads: int = TTS_THREADS,
-                 window_frames: tuple[int, int] = (FIRST_CHUNK_FRAMES, CHUNK_FRAMES)) -> None:
+                 window_frames: tuple[int, int] = (FIRST_CHUNK_FRAMES, CHUNK_FRAMES),
+                 lookahead: float = LOOKAHEAD_S) -> None:
         self.threads = 1 if synthesizer is not None else max(1, int(threads))
         self.window_frames = window_frames  # (first, largest) vocoder window; (big, big): one run per sentence
+        self.lookahead = lookahead
         self._given = synthesizer
         self._cv = threading.Condition()
         self._jobs: list[SpeechJob] = []
@@ -371,8 +382,11 @@ class TTSWorker:
             ready.set()
         while True:
             with self._cv:
-                while not self._closed and (job := self._pick()) is None:
-                    self._cv.wait()
+                while not self._closed:
+                    job, wait = self._pick()
+                    if job is not None:
+                        break
+                    self._cv.wait(wait)
                 if self._closed:
                     return
                 job.running = True
@@ -401,7 +415,7 @@ class TTSWorker:
                 if error is not None or job.stream.done or job.cancelled:
                     if job in self._jobs:
                         self._jobs.remove(job)
-                    if error is None:
+                    if job.stream.done and error is None:
                         st["requests"] += 1
                         st["max_seconds"] = max(st["max_seconds"], job.stream.seconds)
                 self._cv.notify()
@@ -409,14 +423,22 @@ class TTSWorker:
                 with contextlib.suppress(RuntimeError):  # its event loop is closed
                     job._loop.call_soon_threadsafe(job._deliver, raw, error)
 
-    def _pick(self) -> SpeechJob | None:
-        """(lock held) The waiting job whose listener runs out of audio first."""
-        best = None
-        for job in self._jobs:
+    def _pick(self) -> tuple[SpeechJob | None, float | None]:
+        """(lock held) The waiting job whose listener runs out of audio first, if that is within ``lookahead``;
+        else (None, seconds until one is, or None if there is none). A reply's pieces run one after the other (only
+        its earliest unfinished piece is a candidate), so its clock counts audio that plays back to back."""
+        best, replies = None, set()
+        for job in self._jobs:  # in submission order
+            if id(job.clock) in replies:
+                continue
+            replies.add(id(job.clock))
             if not job.running and (best is None or (job.clock.deadline(), job.seq) <
                                     (best.clock.deadline(), best.seq)):
                 best = job
-        return best
+        if best is None:
+            return None, None
+        wait = best.clock.deadline() - self.lookahead - time.monotonic()
+        return (best, None) if wait <= 0 else (None, wait)
 
     def _cancel(self, job: SpeechJob) -> None:
         with self._cv:
@@ -447,7 +469,7 @@ class TTSWorker:
 
     async def speak(self, text: str, rate: int = 24_000, speed: float = 1.0) -> np.ndarray:
         """int16 mono at ``rate``."""
-        job = self.submit(text, AudioFormat("pcm16", rate), speed)
+        job = self.submit(text, AudioFormat("pcm16", rate), speed, SpeechClock(paced=False))
         try:
             return np.frombuffer(await job.read(), "<i2").astype(np.int16)
         finally:
@@ -455,7 +477,7 @@ class TTSWorker:
 
     async def speak_format(self, text: str, fmt: AudioFormat | dict | str | None, speed: float = 1.0) -> bytes:
         """Bytes in the session output format, ready for base64 in ``response.output_audio.delta``."""
-        job = self.submit(text, fmt, speed)
+        job = self.submit(text, fmt, speed, SpeechClock(paced=False))
         try:
             return await job.read()
         finally:

@@ -10,7 +10,8 @@ other), S > 0 = session i starts i·S/N ms later (turns ending spread over S ms,
 Measured by the client, per turn, from the end of speech — the moment the append holding the last voiced sample
 (−40 dB) was handed to the socket — to: speech_stopped, the transcription's `completed`, the first
 `response.output_audio_transcript.delta` (first text) and the first `response.output_audio.delta` (first audio),
-p50/p95; and first audio minus speech_stopped. Then the Whisper encoder's real-time factor in this process, one batch of
+p50/p95; first audio minus speech_stopped; and the playback gap: how late the reply's audio deltas came for a client
+that plays them from the first one on without pause (worst per turn, p95 and max over turns). Then the Whisper encoder's real-time factor in this process, one batch of
 8 clips vs the same clips one by one, and the server's counters from /metrics.
 """
 from __future__ import annotations
@@ -82,11 +83,16 @@ async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_m
             clip = clips[(sid + t) % len(clips)]
             marks: dict[str, float] = {}
             done = asyncio.Event()
+            playback = {"played": 0.0, "gap": 0.0}  # audio received; worst lateness for gapless playback
 
             async def listen():
                 while True:
                     ev = await recv()
                     now = time.perf_counter()
+                    if ev["type"] == EVENTS["audio"]:
+                        if "audio" in marks:
+                            playback["gap"] = max(playback["gap"], now - marks["audio"] - playback["played"])
+                        playback["played"] += len(base64.b64decode(ev["delta"])) / (2 * RATE)
                     for key, etype in EVENTS.items():
                         if ev["type"] == etype and key not in marks:
                             marks[key] = now
@@ -117,6 +123,8 @@ async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_m
             turn = {k: v - end_of_speech for k, v in marks.items()}
             if "audio" in marks and "stopped" in marks:
                 turn["after_stopped"] = marks["audio"] - marks["stopped"]
+            if "audio" in marks:
+                turn["gap"] = playback["gap"]
             out.append(turn)
     return out
 
@@ -203,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(run_session(url, 0, clips, 1, args.chunk_ms, args.max_output_tokens))  # warm-up
         print("| sessions | start spread | turns | speech_stopped p50 | transcript p50 / p95 | first text p50 / p95 | "
-              "first audio p50 / p95 | first audio − speech_stopped p50 |", flush=True)
+              "first audio p50 / p95 | first audio − speech_stopped p50 | playback gap p95 / max |", flush=True)
         for n in counts:
             for spread in (spreads if n > 1 else [0]):
                 async def load():
@@ -216,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                     vals = [t[key] for t in turns if key in t]
                     p50 = f"{pct(vals, 50) * 1000:.0f} ms"
                     return f"{p50} / {pct(vals, 95) * 1000:.0f} ms" if both else p50
+                gaps = [t["gap"] for t in turns if "gap" in t]
                 print(f"| {n} | {spread} ms | {len(turns)} | {col('stopped', False)} | {col('transcript')} | "
-                      f"{col('text')} | {col('audio')} | {col('after_stopped', False)} |", flush=True)
+                      f"{col('text')} | {col('audio')} | {col('after_stopped', False)} | "
+                      f"{pct(gaps, 95) * 1000:.0f} / {max(gaps) * 1000:.0f} ms |", flush=True)
         print(f"server Whisper encoder batches (size×count): {server_batches(url)}", flush=True)
     finally:
         if proc is not None:

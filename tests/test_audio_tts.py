@@ -1,6 +1,7 @@
 """Piper TTS: plausible audio in every session format, the shared worker, and chunker → TTS."""
 
 import asyncio
+import time
 
 import jiwer
 import numpy as np
@@ -174,3 +175,51 @@ async def test_closing_the_worker_ends_unfinished_jobs():
             await asyncio.wait_for(j.read(), 10)
     with pytest.raises(TTSError):
         worker.submit("Too late.")
+
+
+async def test_paced_audio_is_made_at_most_lookahead_ahead_of_its_listener():
+    """A reply's later windows wait until its listener is within `lookahead` of running out (so the CPU goes to work
+    someone waits on now); a caller that wants everything at once (`speak`, an unpaced clock) does not wait."""
+    from audio.tts import SpeechClock
+
+    lookahead = 0.3
+    worker = TTSWorker(get_synthesizer(), lookahead=lookahead)
+    text = "The first sentence is here. A second one follows it, a little longer. And then a third one ends it."
+    job = worker.submit(text, "pcm16")
+    made, lead = 0.0, []
+    async for raw in job.chunks():
+        now = time.monotonic()
+        if made:
+            lead.append(made - (now - job.clock.first_audio_at))  # audio ahead of the listener when this came
+        made += len(raw) / 48000
+    assert made > 4 and len(lead) >= 4
+    assert max(lead) <= lookahead + 1e-3, lead
+    # unpaced: due from the start however much audio it has made, so it never waits
+    fast = worker.submit(text, "pcm16", clock=SpeechClock(paced=False))
+    assert len(await fast.read()) / 48000 > 4
+    assert fast.clock.seconds_out > 4 and fast.clock.deadline() == fast.clock.created
+    worker.close()
+
+
+async def test_pieces_of_one_reply_are_spoken_in_order():
+    """Pieces sharing a reply's clock are synthesized one after the other even with two threads free (the clock counts
+    audio that plays back to back); another reply's piece runs beside them."""
+    from audio.tts import SpeechClock
+
+    worker = TTSWorker(threads=2, lookahead=30.0)
+    await worker.warmup()
+    clock = SpeechClock()
+    order: list[str] = []
+
+    async def read(name, job):
+        async for _ in job.chunks():
+            order.append(name)
+
+    first = worker.submit("The first piece of this reply is a long sentence with many words in it.", "pcm16", 1.0, clock)
+    second = worker.submit("The second piece follows it.", "pcm16", 1.0, clock)
+    other = worker.submit("Another reply speaks at the same time as this one does.", "pcm16")
+    await asyncio.gather(read("first", first), read("second", second), read("other", other))
+    mine = [n for n in order if n != "other"]
+    assert mine == sorted(mine, key=lambda n: n != "first") and mine.count("first") >= 3, order
+    assert order.index("other") < max(i for i, n in enumerate(order) if n == "first"), order
+    worker.close()
