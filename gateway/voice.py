@@ -637,6 +637,8 @@ class AudioOutput:
             start_ms, mark = self.audio_ms, None
             try:
                 async for raw in speech.chunks():
+                    if mark is None:
+                        _trace(f"{self.s.id}-{self.resp.id}", "piece audio", f"{self.audio_ms:.0f} ms")
                     if self.first_audio_at is None:
                         _trace(f"{self.s.id}-{self.resp.id}", "first audio", piece)
                         self.first_audio_at = asyncio.get_running_loop().time()
