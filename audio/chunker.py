@@ -53,6 +53,27 @@ class SentenceChunker:
             return [rest]
         return []
 
+    def cut_now(self, min_words: int = 3) -> list[str]:
+        """A piece out of what has arrived, mid-sentence if need be (its listener is about to run out of audio): up to
+        the last clause boundary, else after the last complete word that does not lean on the next one; nothing while
+        fewer than ``min_words`` words are complete."""
+        buf, cut = self._buf, None
+        for m in _CLAUSE_END.finditer(buf):
+            if _word_count(buf[: m.start()]) >= min_words:
+                cut = m.end()
+        if cut is None:
+            ends = [m.end() for m in re.finditer(r"\S+(?=\s)", buf)]
+            for i in range(len(ends) - 1, min_words - 2, -1):
+                if buf[: ends[i]].split()[-1].lower().strip("\"'()") not in _LEANING:
+                    cut = ends[i]
+                    break
+        piece = buf[:cut].strip() if cut is not None else ""
+        if not piece:
+            return []
+        self._buf = buf[cut:].lstrip()
+        self._emitted += 1
+        return [piece]
+
     def _next_piece(self) -> str | None:
         buf = self._buf
         cut = self._sentence_cut(buf)

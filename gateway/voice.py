@@ -41,6 +41,7 @@ AUDIO_DELTA_MS = 200  # one response.output_audio.delta carries at most this muc
 FIRST_PIECE_MIN_WORDS = 2  # the first spoken piece ends at a clause boundary after this many words, or a sentence
 FIRST_PIECE_MAX_WORDS = 4  # ... or, with no punctuation yet, at a word boundary after this many (first audio sooner)
 SPECULATIVE_PIECES = 2  # pieces of a pregenerated reply synthesized before the turn is known to have ended
+RUNNING_DRY_S = 0.6  # with less audio than this left to play and no piece pending, the next one is cut mid-sentence
 
 
 @dataclass(slots=True)
@@ -575,6 +576,7 @@ class AudioOutput:
         self.clock = SpeechClock()
         self._search = 0
         self._pieces: asyncio.Queue = asyncio.Queue()
+        self._busy = False  # a piece is being synthesized and sent
         self._ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0, "content_index": self.index}
         session.send({"type": "response.content_part.added", **self._ids,
                       "part": {"type": "audio", "transcript": ""}})
@@ -585,6 +587,21 @@ class AudioOutput:
         self.s.send({"type": "response.output_audio_transcript.delta", **self._ids, "delta": text})
         for piece in self._chunker.push(text):
             self._queue(piece)
+        self._cut_if_running_dry()
+
+    def _cut_if_running_dry(self) -> None:
+        if self._running_dry():
+            for piece in self._chunker.cut_now():
+                _trace(f"{self.s.id}-{self.resp.id}", "piece cut early", piece)
+                self._queue(piece)
+
+    def _running_dry(self) -> bool:
+        """All audio queued so far has been sent and its listener has less than RUNNING_DRY_S of it left to play:
+        waiting for the sentence to end would leave a silence (the LLM is slower than the speech)."""
+        if self.first_audio_at is None or self._busy or not self._pieces.empty() or self._prespoken:
+            return False  # (pieces synthesized during the pause are cut like the pregenerated reply cut them)
+        left = self.first_audio_at + self.audio_ms / 1000 - asyncio.get_running_loop().time()
+        return left < RUNNING_DRY_S
 
     def _queue(self, piece: str) -> None:
         _trace(f"{self.s.id}-{self.resp.id}", "piece", piece)
@@ -629,6 +646,7 @@ class AudioOutput:
         step = max(2, int(self.fmt.rate * self.fmt.bytes_per_sample * AUDIO_DELTA_MS / 1000))
         while (job := await self._pieces.get()) is not None:
             piece, chars = job
+            self._busy = True
             if self._prespoken and self._prespoken[0].text == piece:  # synthesized during the pause
                 speech = self._prespoken.pop(0)
             else:
@@ -656,6 +674,8 @@ class AudioOutput:
                 speech.cancel()
             if mark is not None:
                 self._mark(mark, (int(self.audio_ms), chars))
+            self._busy = False
+            self._cut_if_running_dry()
 
     def _mark(self, old: tuple | None, new: tuple[int, int]) -> tuple[int, int]:
         if old is not None and self.marks and self.marks[-1] == old:

@@ -235,3 +235,16 @@ def test_chunker_short_and_empty():
     long = "word " * 200
     pieces = _chunk(long, 7)
     assert all(len(p) <= 300 for p in pieces) and " ".join(pieces).split() == long.split()
+
+
+def test_chunker_cuts_early_on_demand():
+    """`cut_now` (the listener is about to run dry): up to the last clause boundary, else after the last complete word
+    that does not lean on the next; never half a word, nothing with too few words; the rest goes on as usual."""
+    c = SentenceChunker(first_min_words=2, first_max_words=4)
+    assert c.push("The capital of France is") == ["The capital of France"]
+    assert c.push(" Paris, a city of light, and a city of") == [] and c.cut_now() == ["is Paris, a city of light,"]
+    assert c.push(" art and the mus") == [] and c.cut_now() == ["and a city of art"]  # not "mus", not after "the"
+    assert c.cut_now() == []  # "and the": too few words, and both lean
+    assert c.push("eums. Then") == ["and the museums."] and c.flush() == ["Then"]
+    d = SentenceChunker()
+    assert d.push("One two") == [] and d.cut_now() == [] and d.cut_now(min_words=1) == ["One"]
