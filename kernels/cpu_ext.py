@@ -6,6 +6,8 @@ C++ compiler or ninja) or `RTSERVE_CPU_EXT=0`; the pure-torch code then serves, 
 - `rms_norm`, `silu_and_mul`, `add_rms_norm` (residual add fused into the norm), `rope_store` (rotary embedding of q
   and k fused with the KV-cache store): 16-bit only, fp32 math per row, rounded where torch rounds (layer_ops.cpp).
 - `amx_linear`, `amx_linear_gguf`: bf16 linear layers on AMX tiles (amx_linear.cpp).
+- `decode_layers`: every decoder layer of a decode-only step in one call, the kernels above in the Python layers'
+  order (decode_stack.cpp).
 - `argmax_rows`: greedy sampling's argmax over fp32 logits rows, torch.argmax's tie and NaN rules (layer_ops.cpp).
 """
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "layer_ops.cpp", "amx_linear.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "layer_ops.cpp", "amx_linear.cpp",
+                                                            "decode_stack.cpp")]
 _state: dict = {}
 _lock = threading.Lock()   # the engine and Whisper's loader thread both ask at start-up; the second must wait for the
 #                            build, not read the "unavailable" placeholder and fall back to the torch path for good
@@ -83,6 +86,10 @@ def add_rms_norm():
 
 def rope_store():
     return _op("rope_store")
+
+
+def decode_layers():
+    return _op("decode_layers")
 
 
 def argmax_rows():

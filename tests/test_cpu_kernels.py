@@ -221,3 +221,44 @@ def test_worker_threads_keep_their_own_thread_count():
             "t.start(); t.join()\nprint(res['engine'], res['whisper'], res['late'])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split()[-3:] == ["2", "1", "2"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("quantization", ["gguf", None], ids=["gguf", "dense-bf16"])
+def test_decode_stack_is_the_python_layers_bit_for_bit(quantization):
+    """A decode-only step runs all layers in one C++ call (kernels/csrc/decode_stack.cpp). Its hidden states and the
+    KV cache it writes must be exactly the Python layers' at every batch size, whichever kernel each size picks (torch's
+    4-bit kernel at 1-2 rows, AMX to 64, oneDNN beyond)."""
+    from engine.model_runner import load_model
+    from engine.models.gguf_q4 import attach_gguf_q4
+    from engine.models.llama import AttentionMetadata
+    from engine.models.loader import default_model_path, resolve_model_dir
+
+    model = load_model(resolve_model_dir(None), torch.bfloat16, torch.device("cpu"))
+    if quantization == "gguf":
+        attach_gguf_q4(model, default_model_path(), resolve_model_dir(None))
+    model.pack_weights()
+    gen = torch.Generator().manual_seed(0)
+    bs, num_blocks = 16, 1400
+    kv = torch.randn(len(model.layers), 2, num_blocks, bs, model.num_kv_heads, model.head_dim, generator=gen)
+    kv = kv.to(torch.bfloat16)
+    for batch in (1, 2, 3, 8, 65):
+        ctx = torch.randint(1, 300, (batch,), generator=gen).tolist()
+        nb = max(c // bs + 1 for c in ctx)
+        tables = torch.randperm(num_blocks, generator=gen)[:batch * nb].view(batch, nb).int()
+        for i, c in enumerate(ctx):
+            tables[i, c // bs + 1:] = -1
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([int(tables[i, c // bs]) * bs + c % bs for i, c in enumerate(ctx)]),
+            cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32),
+            seq_lens=torch.tensor([c + 1 for c in ctx], dtype=torch.int32), block_tables=tables)
+        ids, pos = torch.randint(0, model.config["vocab_size"], (batch,), generator=gen), torch.tensor(ctx)
+        outs = []
+        for stack in (None, False):          # None: built on first use; False: the Python layers
+            model._stack = stack
+            cache = kv.clone()
+            with torch.inference_mode():
+                outs.append((model(ids, pos, meta, cache), cache))
+            if stack is None:
+                assert isinstance(model._stack, tuple), "the decode stack must apply to this model"
+        assert torch.equal(outs[0][0], outs[1][0]), batch
+        assert torch.equal(outs[0][1], outs[1][1]), batch

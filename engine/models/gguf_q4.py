@@ -8,7 +8,8 @@ model, bf16 activations; docs/benchmarks.md):
 
 - torch's CPU kernel for group-wise 4-bit weights (`_weight_int4pack_mm_for_cpu`, which computes (q - 8) * scale +
   zero; scale = d and zero = m + 8d is the file's weight, rounded only by the bf16 scales): ~11 ms at 1 row against
-  ~18 ms for the AMX kernel, but ~40 ms from 8 rows. Used up to INT4_MAX_ROWS rows (MAX_ROWS on a CPU without AMX).
+  ~18 ms for the AMX kernel, but ~40 ms from 8 rows. Used up to INT4_MAX_ROWS rows (MAX_ROWS on a CPU without AMX),
+  except for a Q8_0 matrix (the lm_head) on an AMX CPU: its two planes take 2.0-2.4 ms at 1-2 rows, AMX 1.4-1.6 ms.
 - `kernels.linear_gguf` (AMX, kernels/csrc/amx_linear.cpp): dequantizes tile by tile to exactly the dense bf16
   weights, ~17-29 ms at 4-32 rows against ~22-35 ms for bf16 AMX and ~35-55 ms for oneDNN. Used up to
   kernels.AMX_MAX_ROWS rows.
@@ -64,6 +65,8 @@ class Q4Linear(nn.Module):
             self.amx = blocks.pack_amx()
         self.planes = blocks.planes(self.weight.dtype)
         self.int4_max_rows = MAX_ROWS if self.amx is None else INT4_MAX_ROWS
+        if self.amx is not None and len(self.planes) > 1:
+            self.int4_max_rows = 0   # Q8_0 (lm_head): two 4-bit passes lose to AMX at every size (1.55 vs 2.05 ms at 1 row)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -76,6 +79,13 @@ class Q4Linear(nn.Module):
         for plane in self.planes[1:]:
             y += plane.mm(x)
         return y if self.bias is None else y + self.bias
+
+    def stack_slots(self) -> list[torch.Tensor | None] | None:
+        """This layer's slots in the C++ decode stack (kernels/csrc/decode_stack.cpp), which takes one 4-bit plane."""
+        if len(self.planes) != 1:
+            return None
+        qs, dm = self.amx if self.amx is not None else (None, None)
+        return [self.weight, self.bias, None, qs, dm, self.planes[0].packed, self.planes[0].scales_and_zeros]
 
     def dequantized(self) -> torch.Tensor:
         """The weight torch's 4-bit kernel multiplies by, as a dense matrix (for checks)."""

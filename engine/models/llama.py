@@ -7,6 +7,7 @@ gate/up projections are fused into one GEMM each. RMSNorm is computed in fp32 ex
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias, self.packed)
+
+    def stack_slots(self) -> list[torch.Tensor | None]:
+        """This layer's slots in the C++ decode stack (kernels/csrc/decode_stack.cpp): dense, bias, AMX-packed, then
+        the GGUF and 4-bit slots it does not have."""
+        return [self.weight, self.bias, self.packed, None, None, None, None]
 
 
 class RMSNorm(nn.Module):
@@ -145,6 +151,7 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("inv_freq", rope_inv_freq(config, attn.head_dim), persistent=False)
+        self._stack: tuple[list, int] | None | bool = None   # decode stack weights (built on first use), False = off
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -155,13 +162,53 @@ class LlamaForCausalLM(nn.Module):
         """Returns final hidden states [num_tokens, hidden]; kv_cache is [layers, 2, blocks, block_size, kv_heads, d]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        if x.shape[0] == meta.seq_lens.numel():         # decode-only step: one token per sequence
+            stack = self._decode_stack(x, kv_cache)
+            if stack is not None:
+                weights, int4_max_rows = stack
+                attn, rows = self.layers[0].self_attn, torch.arange(x.shape[0])
+                return kernels.cpu_ext.decode_layers()(
+                    x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens, rows, rows, kv_cache, weights,
+                    attn.num_heads, self.norm.eps, attn.scale, int4_max_rows)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
         return self.norm(x, residual)
 
+    def _decode_stack(self, x: torch.Tensor, kv_cache: torch.Tensor) -> tuple[list, int] | None:
+        """(weight slots, int4 row limit) for the C++ decode stack, or None where it does not apply: fp32 (HF's exact
+        op order stays in Python), not the CPU's torch backend, no C++ ops, `RTSERVE_DECODE_STACK=0` (A/B runs), or a
+        layer it does not know. Built once; `pack_weights` rebuilds it."""
+        if x.dtype == torch.float32 or x.device.type != "cpu" or kv_cache.dtype != x.dtype or self._stack is False:
+            return None
+        if self._stack is None:
+            self._stack = self._build_decode_stack() or False
+        return self._stack or None
+
+    def _build_decode_stack(self) -> tuple[list, int] | None:
+        if os.environ.get("RTSERVE_DECODE_STACK", "1") == "0" or kernels.resolve_backend("cpu") != "torch" \
+                or kernels.cpu_ext.decode_layers() is None:
+            return None
+        weights: list[torch.Tensor | None] = []
+        limits = set()
+        for layer in self.layers:
+            if {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {self.norm.eps}:
+                return None
+            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                slots = lin.stack_slots() if hasattr(lin, "stack_slots") else None
+                if slots is None:
+                    return None
+                weights += slots
+                if hasattr(lin, "int4_max_rows"):
+                    limits.add(lin.int4_max_rows)
+        if len(limits) > 1:
+            return None
+        return weights + [self.norm.weight], limits.pop() if limits else 0
+
     def pack_weights(self) -> int:
         """Give every linear layer its AMX copy (bf16 on an AMX CPU; a no-op elsewhere); returns how many got one."""
+        self._stack = None
         packed = 0
         for module in self.modules():
             if hasattr(module, "pack"):
