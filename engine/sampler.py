@@ -43,6 +43,18 @@ def top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
 
 
+def sample_rows(logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of `logits` [rows, vocab] (already tempered and masked), drawn from softmax(logits) by
+    inverting its CDF with one uniform number per row from that row's generator.
+
+    Why not torch.multinomial: for one sample it draws an exponential variate per vocabulary entry (the Gumbel trick),
+    ~1.2 ms a row for a 49152-token vocabulary on this CPU, as much as a whole batch-8 decode step; the CDF costs one
+    cumsum a row. A token whose probability is 0 (masked) is never drawn: its CDF step is flat."""
+    cdf = logits.softmax(-1).cumsum_(-1)
+    u = torch.cat([torch.rand(1, generator=g) for g in generators]).unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+
+
 class Sampler:
     def __init__(self):
         self.generator = torch.Generator().manual_seed(torch.seed() % (2**63))
@@ -65,10 +77,7 @@ class Sampler:
             if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in ps):
                 sub = top_k_top_p_min_p(sub, torch.tensor([p.top_k for p in ps]),
                                         torch.tensor([p.top_p for p in ps]), torch.tensor([p.min_p for p in ps]))
-            probs = sub.softmax(-1)
-            for j, i in enumerate(random_rows):
-                gen = requests[i].generator or self.generator
-                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+            tokens[rows] = sample_rows(sub, [requests[i].generator or self.generator for i in random_rows])
         token_list = tokens.tolist()
         lp_out = None
         if want_logprobs:
