@@ -3,7 +3,7 @@
 // Why: a decode step of SmolLM2-135M is 30 layers x 9 kernels. From Python each kernel call costs a few microseconds of
 // module dispatch, argument parsing and the op lookup; at 1-32 sequences that was 3-4 ms of a 17-27 ms step
 // (docs/benchmarks.md). Here the loop runs in C++ and calls the kernels directly, so the step is the kernels' time.
-// The numbers are bit for bit the Python path's (tests/test_kernels_cpu.py): every op and its inputs are the same.
+// The numbers are bit for bit the Python path's (tests/test_cpu_kernels.py): every op and its inputs are the same.
 //
 // weights, per layer (kSlotsPerLayer): input norm, post-attention norm, then 4 linear layers (qkv, o, gate_up, down)
 // of kSlotsPerLinear slots each: dense weight, bias, AMX-packed dense weight, GGUF qs, GGUF dm, torch int4 packed,
@@ -54,7 +54,8 @@ at::Tensor linear(const at::Tensor& x, const Slots& w, int64_t s, int64_t int4_m
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& rows, const at::Tensor& seqs, const at::Tensor& kv_cache,
-                         const c10::List<c10::optional<at::Tensor>>& weight_list, int64_t num_heads, double eps, double scale, int64_t int4_max_rows) {
+                         const c10::List<c10::optional<at::Tensor>>& weight_list, int64_t num_heads, double eps,
+                         double scale, int64_t int4_max_rows) {
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
               "decode_layers: kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim] contiguous");
   const int64_t layers = kv_cache.size(0), tokens = x.size(0), d = kv_cache.size(5);
