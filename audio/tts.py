@@ -29,6 +29,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,10 @@ GAIN = 1.6  # fixed output gain (see the module docstring)
 # A reply's audio is made at most this far ahead of its listener: later windows wait, leaving the CPU to work that
 # someone waits on now (other turns' transcription, prefill, first audio). Steps take ≤ ~0.3 s even under load.
 LOOKAHEAD_S = float(os.environ.get("RTSERVE_TTS_LOOKAHEAD_S", "1.0"))
+# While the worker's `yield_to` says that work upstream of someone's first audio is running (a turn's transcription),
+# audio whose listener still has more than this much to play waits for it (polled every YIELD_POLL_S).
+YIELD_SLACK_S = float(os.environ.get("RTSERVE_TTS_YIELD_SLACK_S", "0.4"))
+YIELD_POLL_S = 0.02
 _DECODER_INPUT_NODE = "/dec/conv_pre/Conv"  # the HiFi-GAN's first conv in piper's VITS export
 
 
@@ -398,14 +403,19 @@ class TTSWorker:
     Each thread uses its own voice instance (the first is the process-wide one). A thread runs one step of the
     job with the earliest ``SpeechClock.deadline()`` (ties: submission order), then picks again. With a given
     ``synthesizer`` the worker has one thread.
+
+    ``yield_to`` (the gateway passes "Whisper has turns to transcribe") makes audio that is not yet due wait while
+    it says True: a listener with more than YIELD_SLACK_S of audio left to play can wait, a user whose turn just
+    ended is waiting now, and on a 2-core machine every synthesis thread that runs slows the transcription down.
     """
 
     def __init__(self, synthesizer: Synthesizer | None = None, threads: int = TTS_THREADS,
                  window_frames: tuple[int, int] = (FIRST_CHUNK_FRAMES, CHUNK_FRAMES),
-                 lookahead: float = LOOKAHEAD_S) -> None:
+                 lookahead: float = LOOKAHEAD_S, yield_to: Callable[[], bool] | None = None) -> None:
         self.threads = 1 if synthesizer is not None else max(1, int(threads))
         self.window_frames = window_frames  # (first, largest) vocoder window; (big, big): one run per sentence
         self.lookahead = lookahead
+        self.yield_to = yield_to  # True while more urgent work runs elsewhere (see _pick)
         self._given = synthesizer
         self._cv = threading.Condition()
         self._jobs: list[SpeechJob] = []
@@ -493,8 +503,12 @@ class TTSWorker:
                 best = job
         if best is None:
             return None, None
-        wait = best.clock.deadline() - self.lookahead - time.monotonic()
-        return (best, None) if wait <= 0 else (None, wait)
+        slack = best.clock.deadline() - time.monotonic()
+        if slack > self.lookahead:
+            return None, slack - self.lookahead
+        if slack > YIELD_SLACK_S and self.yield_to is not None and self.yield_to():
+            return None, min(YIELD_POLL_S, slack - YIELD_SLACK_S)
+        return best, None
 
     def _cancel(self, job: SpeechJob) -> None:
         with self._cv:

@@ -62,7 +62,8 @@ class AudioStage:
             if self.transcriber is None:
                 self.transcriber = Transcriber()
             if self.tts is None:
-                self.tts = TTSWorker()
+                transcriber = self.transcriber
+                self.tts = TTSWorker(yield_to=lambda: transcriber.inflight > 0)
         return self
 
     async def warmup(self) -> None:
