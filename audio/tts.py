@@ -6,8 +6,9 @@ frame).  The vocoder is convolutional with a receptive field under ``MARGIN_FRAM
 vocoded with that margin on each side gives the same samples as the whole sentence (checked to 1e-4 in the tests).
 A ``SpeechStream`` therefore speaks in steps: encode a sentence, then vocode ``FIRST_CHUNK_FRAMES`` (~0.28 s of
 audio), then windows that double up to ``CHUNK_FRAMES`` (~1.1 s), so each is made while the one before plays.  For
-"The capital of France" the first audio costs ~47 ms of work instead of the whole clause's ~90 ms, and it stays
-~50 ms for a long sentence.  ``rtserve bench tts`` measures a burst of first clauses both ways.
+"The capital of France" the first audio cost ~47 ms of work instead of the whole clause's ~90 ms (before the 2-D
+rewrite), and it stays ~50 ms for a long sentence.  ``rtserve bench tts`` measures a burst of first clauses both ways.
+Both halves run their 1-D convolutions as 2-D ones (``conv1d_as_2d``: onnxruntime's faster kernels).
 
 ``TTSWorker`` runs streams on ``TTS_THREADS`` threads (each with its own voice instance and one ONNX intra-op
 thread: on the 2-core box two such threads finished 8 clauses in ~1.03 s vs ~1.75 s for one thread with

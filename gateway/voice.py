@@ -34,7 +34,7 @@ from gateway.conversation import Item
 
 log = logging.getLogger("rtserve.voice")
 
-SPECULATE_AFTER_MS = 120  # trailing silence after which the turn's audio is transcribed ahead of speech_stopped
+SPECULATE_AFTER_MS = 60  # trailing VAD silence after which the turn's audio is transcribed ahead of speech_stopped
 MAX_PENDING_OPS = 4096  # input events queued per session (~80 s of 20 ms appends) before events are refused
 MAX_PENDING_CHARS = 48 * 1024 * 1024  # base64 audio queued per session (three maximal appends) before refusals
 AUDIO_DELTA_MS = 200  # one response.output_audio.delta carries at most this much audio

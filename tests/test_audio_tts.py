@@ -1,6 +1,7 @@
 """Piper TTS: plausible audio in every session format, the shared worker, and chunker → TTS."""
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -222,6 +223,38 @@ async def test_paced_audio_is_made_at_most_lookahead_ahead_of_its_listener():
     fast = worker.submit(text, "pcm16", clock=SpeechClock(paced=False))
     assert len(await fast.read()) / 48000 > 4
     assert fast.clock.seconds_out > 4 and fast.clock.deadline() == fast.clock.created
+    worker.close()
+
+
+async def test_audio_not_yet_due_yields_to_urgent_work_elsewhere():
+    """While `yield_to` says urgent work runs elsewhere (the gateway: Whisper has turns to transcribe), a reply's first
+    audio is still made, but later windows wait until its listener is within YIELD_SLACK_S of running out; once it
+    says False they are made up to `lookahead` ahead again."""
+    from audio.tts import YIELD_SLACK_S
+
+    busy = threading.Event()
+    busy.set()
+    worker = TTSWorker(get_synthesizer(), lookahead=1.5, yield_to=busy.is_set)
+    text = "The first sentence is here. A second one follows it, a little longer. And then a third one ends it."
+    job = worker.submit(text, "pcm16")
+    made, lead = 0.0, []
+    async for raw in job.chunks():
+        now = time.monotonic()
+        if made:
+            lead.append(made - (now - job.clock.first_audio_at))  # audio ahead of the listener when this came
+        made += len(raw) / 48000
+        if made > 2.5:
+            break
+    assert made > 0 and len(lead) >= 2
+    assert max(lead) <= YIELD_SLACK_S + 0.05, lead   # held back to the slack, not the 1.5 s lookahead
+    busy.clear()
+    t0, start = time.monotonic(), made
+    async for raw in job.chunks():
+        made += len(raw) / 48000
+    assert made > 4
+    # the rest came well before it plays out: made up to the lookahead ahead again (held back to the slack it
+    # would take all of its playing time)
+    assert time.monotonic() - t0 < (made - start) - 0.5
     worker.close()
 
 
