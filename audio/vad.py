@@ -20,6 +20,12 @@ CONTEXT = 64  # samples of the previous window that silero v5 prepends
 _MS_PER_SAMPLE = 1000 / SAMPLE_RATE
 
 SEMANTIC_EAGERNESS_MS = {"low": 800, "medium": 500, "high": 250, "auto": 500}
+# Silero's speech probability stays high for ~60-150 ms after a voice really stops (its recurrent state decays), so a
+# silence counted from silero's first quiet window starts late. When silero turns to silence, the run of windows just
+# before it that were already TAIL_DB below the turn's loudest window (at most MAX_TAIL_MS of them) counts as
+# silence too. With noise less than TAIL_DB under the voice no window qualifies, and silero's timing stands.
+TAIL_DB = 40.0
+MAX_TAIL_MS = 160
 
 _session = None
 _session_lock = threading.Lock()
@@ -77,6 +83,8 @@ class StreamingVAD:
     _floor: int = 0  # segments never start before this sample (end of the last segment)
     _speech_start: int | None = None
     _silence_start: int | None = None
+    _peak_energy: float = 0.0  # loudest window of the current speech (mean square)
+    _quiet_since: int | None = None  # first of the trailing windows TAIL_DB below that peak
     last_prob: float = 0.0
 
     def __post_init__(self) -> None:
@@ -104,7 +112,7 @@ class StreamingVAD:
         if position_ms is not None:
             self._pos = int(position_ms * SAMPLE_RATE / 1000)
         self._floor = self._pos
-        self._speech_start = self._silence_start = None
+        self._speech_start = self._silence_start = self._quiet_since = None
 
     def _prob(self, window: np.ndarray) -> float:
         x = np.concatenate([self._context, window])[None, :]
@@ -121,21 +129,32 @@ class StreamingVAD:
         silence = int(self.silence_duration_ms * SAMPLE_RATE / 1000)
         pad = int(self.prefix_padding_ms * SAMPLE_RATE / 1000)
         n = len(buf) // WINDOW
+        quiet_ratio = 10.0 ** (-TAIL_DB / 10)
+        max_tail = int(MAX_TAIL_MS * SAMPLE_RATE / 1000)
         for i in range(n):
             win = buf[i * WINDOW : (i + 1) * WINDOW]
             p = self.last_prob = self._prob(win)
+            energy = float(np.dot(win, win)) / WINDOW
             start = self._pos
             self._pos += WINDOW
             if self._speech_start is None:
                 if p >= self.threshold:
                     self._speech_start = max(start - pad, self._floor)
-                    self._silence_start = None
+                    self._silence_start = self._quiet_since = None
+                    self._peak_energy = energy
                     events.append(VADEvent("speech_started", self._ms(self._speech_start)))
                 continue
+            self._peak_energy = max(self._peak_energy, energy)
+            if energy >= self._peak_energy * quiet_ratio:
+                self._quiet_since = None
+            elif self._quiet_since is None:
+                self._quiet_since = start
             if p >= self.threshold:
                 self._silence_start = None
             elif p < self.neg_threshold and self._silence_start is None:
                 self._silence_start = start
+                if self._quiet_since is not None:  # the voice had already stopped (see TAIL_DB)
+                    self._silence_start = max(self._quiet_since, start - max_tail, self._speech_start)
             if self._silence_start is not None and self._pos - self._silence_start >= silence:
                 end = self._silence_start
                 events.append(VADEvent("speech_stopped", self._ms(self._speech_start), self._ms(end)))

@@ -108,3 +108,33 @@ def test_vad_parameters():
         semantic_vad_silence_ms("eager")
     with pytest.raises(ValueError):
         StreamingVAD(threshold=1.5)
+
+
+@pytest.mark.parametrize("noise_db", [None, -60])
+def test_vad_end_is_where_the_voice_stops(noise_db):
+    """Silero's probability stays high ~60-150 ms after a voice stops; the windows that were already TAIL_DB below the
+    turn's loudest count as silence, so audio_end_ms is the voice's end and speech_stopped comes silence_duration_ms
+    after it (not after silero's lag). Also under a noise floor 60 dB down."""
+    rng = np.random.default_rng(1)
+    for speech in (piper_speech("How many legs does a spider have?"), espeak_speech("tell me a short story")):
+        clip, _, end = _place(speech, 300, 1000)
+        if noise_db is not None:
+            clip = clip + rng.normal(0, 10 ** (noise_db / 20), len(clip)).astype(np.float32)
+        vad = StreamingVAD(silence_duration_ms=500)
+        for i in range(0, len(clip), 512):
+            ev = vad.feed(clip[i : i + 512])
+            if ev and ev[-1].type == "speech_stopped":
+                break
+        assert ev[-1].type == "speech_stopped"
+        assert abs(ev[-1].audio_end_ms - end) <= 40, (ev, end)
+        assert 500 <= vad.position_ms - ev[-1].audio_end_ms < 500 + 32
+
+
+def test_vad_end_under_louder_noise_keeps_silero_timing():
+    """Noise less than TAIL_DB under the voice: no window counts as quiet, silero's own end stands."""
+    rng = np.random.default_rng(2)
+    clip, _, end = _place(espeak_speech("tell me a short story"), 300, 1200)
+    clip = clip + rng.normal(0, 0.01, len(clip)).astype(np.float32)  # -40 dBFS
+    ev = _feed(StreamingVAD(), clip, 512)
+    assert [e.type for e in ev] == ["speech_started", "speech_stopped"]
+    assert 0 <= ev[1].audio_end_ms - end <= TOL_MS, (ev, end)
