@@ -344,6 +344,16 @@ def test_push_to_talk(gateway, browser, speech_wav, out_dir):
         pg.close()
 
 
+def test_served_websockets_do_not_compress_by_default(gateway):
+    """`rtserve serve` declines permessage-deflate unless `--ws-compression` (base64 audio barely compresses, and the
+    deflate CPU lands on the event loop); a client that offers it still gets its session."""
+    from websockets.sync.client import connect
+
+    with connect(gateway.replace("http", "ws") + "/v1/realtime", compression="deflate") as ws:
+        assert ws.response.headers.get("Sec-WebSocket-Extensions") is None
+        assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
+
+
 def test_api_key_and_connection_errors(browser, out_dir):
     """With a server API key: connecting without it fails with a clear message; with the key entered in Settings the
     page offers `openai-insecure-api-key.KEY` and connects. A server that goes away is reported as a disconnect."""
