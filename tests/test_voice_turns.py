@@ -148,7 +148,7 @@ async def test_eight_concurrent_voice_sessions_batch_the_encoder(server):
     # Nothing leaks: no transcription in flight, no KV block held once the sessions are gone.
     stats = await server.wait_idle()
     assert stats["kv_blocks_used"] == 0 and stage.stats()["transcriptions_inflight"] == 0
-    assert not server.app.state.sessions
+    assert not server.app.state.sessions and not stage.awaiting_first_piece and not stage.first_audio_pending()
 
 
 async def test_disconnects_leave_nothing_behind(server):
@@ -176,7 +176,7 @@ async def test_disconnects_leave_nothing_behind(server):
         await asyncio.sleep(0.1)
     assert stats["kv_blocks_used"] == 0 and stats["requests_running"] == 0
     assert stage.stats()["transcriptions_inflight"] == 0 and stage.tts.pending == 0
-    assert not server.app.state.sessions
+    assert not server.app.state.sessions and not stage.awaiting_first_piece
 
 
 async def _held_speculation(server, session_id: str, after=None):
@@ -203,7 +203,9 @@ async def test_reply_spoken_during_the_pause_is_dropped_or_sent(server):
     stage = server.app.state.audio.start()
     pcm, _, _ = utterance(QUESTION, tail_ms=0)
     more, _, _ = utterance("and how many people live there", lead_ms=0, tail_ms=0)
-    pause = bytes(PCM16.rate * 2 * 320 // 1000)  # 320 ms: past the speculation delay, before the 500 ms window
+    # 250 ms: past the speculation delay, before the 500 ms window (which counts from where the voice stopped, so up
+    # to 160 ms of the voice's quiet tail count towards it too)
+    pause = bytes(PCM16.rate * 2 * 250 // 1000)
     raw = await open_voice(server)
     await raw.stream(pcm + pause, PCM16)
     first = await _held_speculation(server, raw.session_id)
