@@ -42,6 +42,7 @@ FIRST_PIECE_MIN_WORDS = 2  # the first spoken piece ends at a clause boundary af
 FIRST_PIECE_MAX_WORDS = 4  # ... or, with no punctuation yet, at a word boundary after this many (first audio sooner)
 SPECULATIVE_PIECES = 2  # pieces of a pregenerated reply synthesized before the turn is known to have ended
 RUNNING_DRY_S = 0.6  # with less audio than this left to play and no piece pending, the next one is cut mid-sentence
+FIRST_PIECE_URGENT_S = 2.0  # a reply decoding towards its first piece makes other audio wait (for at most this long)
 
 
 @dataclass(slots=True)
@@ -56,15 +57,24 @@ class AudioStage:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     speculations: dict = field(default_factory=lambda: {"started": 0, "used": 0, "pregenerated": 0, "adopted": 0,
                                                          "spoken": 0})
+    # replies (pregenerated or responding) whose first spoken piece is not cut yet: key -> when they started
+    awaiting_first_piece: dict = field(default_factory=dict)
 
     def start(self) -> "AudioStage":
         with self._lock:
             if self.transcriber is None:
                 self.transcriber = Transcriber()
             if self.tts is None:
-                transcriber = self.transcriber
-                self.tts = TTSWorker(yield_to=lambda: transcriber.inflight > 0)
+                self.tts = TTSWorker(yield_to=self.first_audio_pending)
         return self
+
+    def first_audio_pending(self) -> bool:
+        """(any thread) Someone's first audio is on its way upstream of TTS: a turn being transcribed, or a reply
+        decoding towards its first piece. Audio whose listener still has plenty to play waits meanwhile."""
+        if self.transcriber is not None and self.transcriber.inflight > 0:
+            return True
+        now = time.monotonic()
+        return any(now - t < FIRST_PIECE_URGENT_S for t in list(self.awaiting_first_piece.values()))
 
     async def warmup(self) -> None:
         """Load the TTS voice (and Whisper, already loading in its thread) before the first caller waits on it."""
@@ -466,8 +476,14 @@ class Pregen:
         self._chunker = _chunker() if speech is not None else None
         self.clock = SpeechClock()  # the speculative pieces' timeline, handed to the adopting response
         self.spoken: list[SpeechJob] = []  # the synthesis of the first pieces, in piece order
+        if speech is not None:
+            speech.stage.awaiting_first_piece[request_id] = time.monotonic()
         self._task = asyncio.create_task(self._pump(engine.generate(request_id, prompt.ids, sampling, **kwargs)),
                                          name=f"{request_id}-pregen")
+
+    def _first_piece_done(self) -> None:
+        if self._plan is not None:
+            self._plan.stage.awaiting_first_piece.pop(self.request_id, None)
 
     def _say(self, pieces: list[str]) -> None:
         plan = self._plan
@@ -477,6 +493,7 @@ class Pregen:
                 return
             _trace(self.request_id, "speculative piece", piece)
             self.spoken.append(plan.stage.say(piece, plan.fmt, plan.speed, self.clock))
+            self._first_piece_done()
 
     async def _pump(self, gen) -> None:
         try:
@@ -494,6 +511,7 @@ class Pregen:
             self.error = exc
         finally:
             self.finished = True
+            self._first_piece_done()
             self._wake.set()
 
     def matches(self, prompt, sampling) -> bool:
@@ -522,6 +540,7 @@ class Pregen:
         """Hand the speculative synthesis to the adopting response (if it speaks in the same format and speed) and
         stop synthesizing; what is not handed over is dropped."""
         self._speaking = False
+        self._first_piece_done()  # the adopting response's own wait takes over
         spoken, self.spoken = self.spoken, []
         plan = self._plan
         if plan is not None and (plan.fmt, float(plan.speed)) == (fmt, float(speed)):
@@ -531,6 +550,7 @@ class Pregen:
 
     def cancel(self) -> None:
         self._speaking = False
+        self._first_piece_done()
         _drop(self.spoken)
         self.spoken = []
         if not self._task.done():
@@ -581,6 +601,7 @@ class AudioOutput:
         self._ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0, "content_index": self.index}
         session.send({"type": "response.content_part.added", **self._ids,
                       "part": {"type": "audio", "transcript": ""}})
+        self.stage.awaiting_first_piece[resp.id] = time.monotonic()
         self._task = asyncio.create_task(self._speak(), name=f"{resp.id}-tts")
 
     def delta(self, text: str) -> None:
@@ -623,12 +644,14 @@ class AudioOutput:
         self._prespoken = list(spoken)
         if spoken:
             self.clock = spoken[0].clock
+            self.stage.awaiting_first_piece.pop(self.resp.id, None)
 
     def _drop_prespoken(self) -> None:
         _drop(self._prespoken)
         self._prespoken = []
 
     def cancel(self) -> None:
+        self.stage.awaiting_first_piece.pop(self.resp.id, None)
         self._drop_prespoken()
         self._task.cancel()
 
@@ -641,6 +664,7 @@ class AudioOutput:
         try:
             await self._speak_pieces()
         finally:
+            self.stage.awaiting_first_piece.pop(self.resp.id, None)
             self._drop_prespoken()
 
     async def _speak_pieces(self) -> None:
@@ -653,6 +677,7 @@ class AudioOutput:
             else:
                 self._drop_prespoken()  # (pieces are cut identically, so this only happens if the text differs)
                 speech = self.stage.say(piece, self.fmt, self.speed, self.clock)
+            self.stage.awaiting_first_piece.pop(self.resp.id, None)
             start_ms, mark = self.audio_ms, None
             try:
                 async for raw in speech.chunks():
@@ -686,6 +711,7 @@ class AudioOutput:
         return new
 
     def done(self) -> None:
+        self.stage.awaiting_first_piece.pop(self.resp.id, None)
         self._drop_prespoken()
         if not self._task.done():
             self._task.cancel()
