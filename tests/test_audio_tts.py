@@ -202,6 +202,20 @@ async def test_closing_the_worker_ends_unfinished_jobs():
         worker.submit("Too late.")
 
 
+async def _read_with_lead(job, until_seconds: float = float("inf")) -> tuple[float, list[float]]:
+    """Read a pcm16 24 kHz job's chunks (until `until_seconds` of audio): the seconds read, and for each chunk after
+    the first how far its audio ran ahead of a listener playing from the first chunk on."""
+    made, lead = 0.0, []
+    async for raw in job.chunks():
+        now = time.monotonic()
+        if made:
+            lead.append(made - (now - job.clock.first_audio_at))  # audio ahead of the listener when this came
+        made += len(raw) / 48000
+        if made > until_seconds:
+            break
+    return made, lead
+
+
 async def test_paced_audio_is_made_at_most_lookahead_ahead_of_its_listener():
     """A reply's later windows wait until its listener is within `lookahead` of running out (so the CPU goes to work
     someone waits on now); a caller that wants everything at once (`speak`, an unpaced clock) does not wait."""
@@ -211,12 +225,7 @@ async def test_paced_audio_is_made_at_most_lookahead_ahead_of_its_listener():
     worker = TTSWorker(get_synthesizer(), lookahead=lookahead)
     text = "The first sentence is here. A second one follows it, a little longer. And then a third one ends it."
     job = worker.submit(text, "pcm16")
-    made, lead = 0.0, []
-    async for raw in job.chunks():
-        now = time.monotonic()
-        if made:
-            lead.append(made - (now - job.clock.first_audio_at))  # audio ahead of the listener when this came
-        made += len(raw) / 48000
+    made, lead = await _read_with_lead(job)
     assert made > 4 and len(lead) >= 4
     assert max(lead) <= lookahead + 1e-3, lead
     # unpaced: due from the start however much audio it has made, so it never waits
@@ -237,14 +246,7 @@ async def test_audio_not_yet_due_yields_to_urgent_work_elsewhere():
     worker = TTSWorker(get_synthesizer(), lookahead=1.5, yield_to=busy.is_set)
     text = "The first sentence is here. A second one follows it, a little longer. And then a third one ends it."
     job = worker.submit(text, "pcm16")
-    made, lead = 0.0, []
-    async for raw in job.chunks():
-        now = time.monotonic()
-        if made:
-            lead.append(made - (now - job.clock.first_audio_at))  # audio ahead of the listener when this came
-        made += len(raw) / 48000
-        if made > 2.5:
-            break
+    made, lead = await _read_with_lead(job, until_seconds=2.5)
     assert made > 0 and len(lead) >= 2
     assert max(lead) <= YIELD_SLACK_S + 0.05, lead   # held back to the slack, not the 1.5 s lookahead
     busy.clear()
