@@ -644,14 +644,17 @@ class AudioOutput:
         self._prespoken = list(spoken)
         if spoken:
             self.clock = spoken[0].clock
-            self.stage.awaiting_first_piece.pop(self.resp.id, None)
+            self._first_piece_done()
+
+    def _first_piece_done(self) -> None:
+        self.stage.awaiting_first_piece.pop(self.resp.id, None)
 
     def _drop_prespoken(self) -> None:
         _drop(self._prespoken)
         self._prespoken = []
 
     def cancel(self) -> None:
-        self.stage.awaiting_first_piece.pop(self.resp.id, None)
+        self._first_piece_done()
         self._drop_prespoken()
         self._task.cancel()
 
@@ -664,7 +667,7 @@ class AudioOutput:
         try:
             await self._speak_pieces()
         finally:
-            self.stage.awaiting_first_piece.pop(self.resp.id, None)
+            self._first_piece_done()
             self._drop_prespoken()
 
     async def _speak_pieces(self) -> None:
@@ -677,7 +680,7 @@ class AudioOutput:
             else:
                 self._drop_prespoken()  # (pieces are cut identically, so this only happens if the text differs)
                 speech = self.stage.say(piece, self.fmt, self.speed, self.clock)
-            self.stage.awaiting_first_piece.pop(self.resp.id, None)
+            self._first_piece_done()
             start_ms, mark = self.audio_ms, None
             try:
                 async for raw in speech.chunks():
@@ -711,7 +714,7 @@ class AudioOutput:
         return new
 
     def done(self) -> None:
-        self.stage.awaiting_first_piece.pop(self.resp.id, None)
+        self._first_piece_done()
         self._drop_prespoken()
         if not self._task.done():
             self._task.cancel()
