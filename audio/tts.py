@@ -50,8 +50,9 @@ GAIN = 1.6  # fixed output gain (see the module docstring)
 # A reply's audio is made at most this far ahead of its listener: later windows wait, leaving the CPU to work that
 # someone waits on now (other turns' transcription, prefill, first audio). Steps take ≤ ~0.3 s even under load.
 LOOKAHEAD_S = float(os.environ.get("RTSERVE_TTS_LOOKAHEAD_S", "1.0"))
-# While the worker's `yield_to` says that work upstream of someone's first audio is running (a turn's transcription),
-# audio whose listener still has more than this much to play waits for it (polled every YIELD_POLL_S).
+# While the worker's `yield_to` says that work upstream of someone's first audio is running (a turn's transcription,
+# a reply decoding towards its first piece), audio whose listener still has more than this much to play waits for it
+# (polled every YIELD_POLL_S).
 YIELD_SLACK_S = float(os.environ.get("RTSERVE_TTS_YIELD_SLACK_S", "0.4"))
 YIELD_POLL_S = 0.02
 _DECODER_INPUT_NODE = "/dec/conv_pre/Conv"  # the HiFi-GAN's first conv in piper's VITS export
@@ -108,9 +109,10 @@ def split_voice(model: Path, cache: Path | None = None) -> tuple[Path, Path] | N
 def conv1d_as_2d(model) -> int:
     """Rewrite each 1-D ``Conv`` / ``ConvTranspose`` whose weight is a constant of the graph as a 2-D one of height 1
     (Unsqueeze, Conv, Squeeze), in place; returns how many. Why: onnxruntime's blocked (NCHWc) convolution kernels
-    take only 2-D convolutions, and the rest go through im2col + GEMM. Measured on one thread: the vocoder 31.7 ->
-    22.7 ms for a 40-frame window and 105 -> 67 ms for 128 frames, the encoder 8-11 % less; the samples agree to
-    ~1e-7 (only the summation order changes)."""
+    take only 2-D convolutions, and the rest go through im2col + GEMM. Measured on one thread, interleaved in one
+    process (docs/benchmarks.md): the vocoder 35.8 -> 28.0 ms for a 40-frame window and 117.9 -> 91.5 ms for 128
+    frames, the encoder 99.5 -> 88.7 ms for a 12-word sentence; the samples agree to ~1e-7 (only the summation order
+    changes)."""
     from onnx import helper, numpy_helper
 
     g = model.graph
@@ -405,9 +407,10 @@ class TTSWorker:
     job with the earliest ``SpeechClock.deadline()`` (ties: submission order), then picks again. With a given
     ``synthesizer`` the worker has one thread.
 
-    ``yield_to`` (the gateway passes "Whisper has turns to transcribe") makes audio that is not yet due wait while
-    it says True: a listener with more than YIELD_SLACK_S of audio left to play can wait, a user whose turn just
-    ended is waiting now, and on a 2-core machine every synthesis thread that runs slows the transcription down.
+    ``yield_to`` (the gateway passes `AudioStage.first_audio_pending`: a turn is being transcribed or a reply is
+    decoding towards its first piece) makes audio that is not yet due wait while it says True: a listener with more
+    than YIELD_SLACK_S of audio left to play can wait, a user whose turn just ended is waiting now, and on a 2-core
+    machine every synthesis thread that runs slows that work down.
     """
 
     def __init__(self, synthesizer: Synthesizer | None = None, threads: int = TTS_THREADS,
