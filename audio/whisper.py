@@ -238,7 +238,7 @@ class WhisperModel:
     def load(cls, model_dir: str | Path | None = None, cache: str | Path | None = None,
              dtype: torch.dtype = torch.float32, quiet: bool = False, pack: bool = True) -> "WhisperModel":
         """Load from the safetensors cache, converting ``model.bin`` once if the cache is missing. ``pack``: bf16
-        decoder linear layers on the AMX kernel where the CPU has one (False: torch's GEMM everywhere)."""
+        decoder linear layers on the packed kernel where the CPU has one (False: torch's GEMM everywhere)."""
         from safetensors.torch import load_file, save_file
         from tokenizers import Tokenizer
         from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
@@ -367,10 +367,11 @@ class WhisperModel:
 
 
 def _pack_decoder(model) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Give the decoder's per-token linear layers the AMX kernel (kernels.linear) where the CPU has it: a decode step is
-    a few rows, where oneDNN's bf16 GEMM was 2-4x slower, and the 51864-wide vocabulary projection was ~40 % of the
-    decoder's time. Returns the projection, padded to a multiple of 32 rows, and its packed form (None without AMX)."""
-    if not kernels.amx_available():
+    """Give the decoder's per-token linear layers the packed kernel (kernels.linear: AMX, or AVX-512 FMAs) where the CPU
+    has one: a decode step is a few rows, where oneDNN's bf16 GEMM was 2-4x slower, and the 51864-wide vocabulary
+    projection was ~40 % of the decoder's time. Returns the projection, padded to a multiple of 32 rows, and its packed
+    form (None without a packed kernel)."""
+    if kernels.packed_isa() is None:
         return None
     for layer in model.model.decoder.layers:
         for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.out_proj,

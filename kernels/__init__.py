@@ -47,14 +47,14 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     return _impl(q.device).paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out=out)
 
 
-AMX_MAX_ROWS = 64   # packed AMX GEMM up to this many rows: 1.2-5x oneDNN at 1-64 rows, on par or slower from ~96
+AMX_MAX_ROWS = 64   # the packed kernels take up to this many rows: on AMX 1.2-5x oneDNN at 1-64, on par or slower from ~96
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [N, K] in the AMX tile order of `linear` (kernels/csrc/amx_linear.cpp), or None where that kernel does not
-    apply: not bf16 on the CPU, no AMX (or `RTSERVE_AMX=0`), or N or K not a multiple of 32."""
+    """`weight` [N, K] in the tile order of `linear` (kernels/csrc/amx_linear.cpp), or None where that kernel does not
+    apply: not bf16 on the CPU, neither AMX nor AVX-512 BF16 (or `RTSERVE_AMX=0`), or N or K not a multiple of 32."""
     n, k = weight.shape
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or n % 32 or k % 32 or not amx_available():
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or n % 32 or k % 32 or packed_isa() is None:
         return None
     # [N, K] -> [N/32 column blocks, K/32 k blocks, 2 tiles of 16 columns, 16 k pairs, 16 columns x 2 k]
     return weight.detach().view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(
@@ -63,19 +63,24 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias; decode-sized bf16 batches go to the AMX kernel when `packed` (from pack_linear_weight) is
-    given, everything else to torch (oneDNN)."""
+    """x @ weight.T + bias; decode-sized bf16 batches go to the packed kernel (AMX tiles, or fp32 FMAs on an AVX-512
+    CPU without AMX) when `packed` (from pack_linear_weight) is given, everything else to torch (oneDNN)."""
     if packed is not None and x.dim() == 2 and x.shape[0] <= AMX_MAX_ROWS:
         return cpu_ext.ops().amx_linear(x, packed, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def amx_available() -> bool:
-    """The AMX kernels can run: an AMX CPU, the C++ ops built, and not switched off (`RTSERVE_AMX=0`, for A/B runs)."""
+_ISAS = {1: "avx512", 2: "amx"}
+
+
+def packed_isa() -> str | None:
+    """Which instruction set runs the packed bf16 kernels (`linear`, `linear_gguf`): "amx" (AMX tiles), "avx512" (fp32
+    FMAs on the same packed weights, for AVX-512 BF16 CPUs without AMX), or None: no such CPU, the C++ ops not built,
+    or switched off (`RTSERVE_AMX=0`, for A/B runs)."""
     if os.environ.get("RTSERVE_AMX", "1") == "0":
-        return False
+        return None
     lib = cpu_ext.ops()
-    return lib is not None and lib.amx_available()
+    return _ISAS.get(int(lib.packed_isa())) if lib is not None else None
 
 
 def pack_gguf_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +102,7 @@ def pack_gguf_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def linear_gguf(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias on packed GGUF blocks (AMX; bf16 x). Each weight is dequantized in fp32 and rounded to bf16
+    """x @ W.T + bias on packed GGUF blocks (the packed kernel; bf16 x). Each weight is dequantized in fp32 and rounded to bf16
     exactly as the dense bf16 model's weight was, so the result equals `linear` on that dense weight."""
     return cpu_ext.ops().amx_linear_gguf(x, qs, dm, bias)
 

@@ -4,7 +4,8 @@
   engine sends it (1-64, tails of 16 included) and with bias.
 - `kernels.linear_gguf` on Q4_1 / Q8_0 blocks packed by `kernels.pack_gguf_*`: the weight it multiplies by is bit for bit
   the dense bf16 weight gguf's own dequantization gives (bf16(d * q + m)), so its outputs equal the bf16 kernel's.
-This machine's CPU has AMX (the CI machine is the same kind); elsewhere `kernels.linear` must fall back to torch."""
+On an AMX CPU the kernels run on AMX tiles; on an AVX-512 BF16 CPU without AMX (a VM may hide it) as fp32 FMAs on the
+same packed weights; elsewhere `kernels.linear` must fall back to torch. Every test below runs whichever this CPU has."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,8 +19,16 @@ ROWS = [1, 2, 5, 16, 17, 32, 33, 64]
 SHAPES = [(64, 32), (960, 576), (576, 1536)]    # (N, K): a minimal one and SmolLM2's qkv and down projections
 
 
-def test_amx_is_used_on_this_machine():
-    assert kernels.amx_available(), "this CPU has AMX-BF16 and `make test` installs the compiler the op needs"
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+def test_packed_kernel_is_used_on_this_machine():
+    flags = _cpu_flags()    # `make test` installs the compiler the op needs
+    expected = "amx" if "amx_bf16" in flags else "avx512" if {"avx512f", "avx512_bf16"} <= flags else None
+    assert expected is not None, "the project's machines have AVX-512 BF16 (with or without AMX)"
+    assert kernels.packed_isa() == expected
     assert kernels.pack_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
     # what the kernel cannot take is left to torch
     assert kernels.pack_linear_weight(torch.zeros(64, 64)) is None                       # fp32

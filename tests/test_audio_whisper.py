@@ -212,9 +212,9 @@ def test_token_cap_stops_a_looping_decoder(model, clips):
     assert 0 < len(tokens) <= 12
 
 
-def test_amx_decoder_agrees_with_torch_gemm(model, clips):
-    """bf16 decoder linears and the vocabulary projection on the AMX kernel (this CPU has it): same tokens, logits
-    within bf16 noise of torch's own GEMM."""
+def test_packed_decoder_agrees_with_torch_gemm(model, clips):
+    """bf16 decoder linears and the vocabulary projection on the packed kernel (AMX or AVX-512; this CPU has one):
+    same tokens, logits within bf16 noise of torch's own GEMM."""
     assert model._proj_packed is not None
     plain = WhisperModel.load(dtype=torch.bfloat16, pack=False)
     enc = model.encode(model.features([clips["piper"], clips["espeak"]]))

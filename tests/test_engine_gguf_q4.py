@@ -31,11 +31,11 @@ def test_every_quantized_layer_is_the_files_weight():
         assert err.mean().item() < 1e-3
 
 
-def test_the_amx_kernel_multiplies_by_exactly_the_dense_weights():
+def test_the_packed_kernel_multiplies_by_exactly_the_dense_weights():
     model = load_model(resolve_model_dir(None), torch.bfloat16, torch.device("cpu"))
     attach_gguf_q4(model, default_model_path(), resolve_model_dir(None))
     layers = [m for m in model.modules() if isinstance(m, Q4Linear)]
-    assert all(lin.amx is not None for lin in layers)       # an AMX CPU (this machine and CI): blocks packed for it
+    assert all(lin.amx is not None for lin in layers)       # AMX or AVX-512 (this machine and CI): blocks packed
     for lin in layers[:4] + layers[-5:]:                    # the first and last layers, and the Q8_0 lm_head
         assert torch.equal(lin.dequantized_amx(), lin.weight.detach())
 
@@ -45,14 +45,15 @@ def test_each_batch_size_takes_its_kernel():
     attach_gguf_q4(model, default_model_path(), resolve_model_dir(None))
     lin = model.layers[3].mlp.gate_up_proj
     packed = kernels.pack_linear_weight(lin.weight)
-    for rows in (1, gguf_q4.INT4_MAX_ROWS, gguf_q4.INT4_MAX_ROWS + 1, 32, kernels.AMX_MAX_ROWS,
-                 kernels.AMX_MAX_ROWS + 1):
+    int4_max_rows = gguf_q4.INT4_MAX_ROWS[kernels.packed_isa()]
+    assert lin.int4_max_rows == int4_max_rows and model.lm_head.int4_max_rows == 0   # the lm_head: always packed
+    for rows in (1, int4_max_rows, int4_max_rows + 1, 32, kernels.AMX_MAX_ROWS, kernels.AMX_MAX_ROWS + 1):
         x = torch.randn(rows, lin.weight.shape[1], dtype=torch.bfloat16)
         dense = torch.nn.functional.linear(x, lin.weight)
         y = lin(x)
         if rows > kernels.AMX_MAX_ROWS:
             assert torch.equal(y, dense)                                   # prefill / big batches: dense bf16
-        elif rows > gguf_q4.INT4_MAX_ROWS:                                 # the AMX kernel on the same weights
+        elif rows > int4_max_rows:                                         # the packed kernel on the same weights
             assert torch.equal(y, torch.ops.rtserve_cpu.amx_linear(x, packed, None))
         else:
             assert not torch.equal(y, dense)                               # torch's 4-bit kernel ran ...

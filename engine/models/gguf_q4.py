@@ -8,11 +8,13 @@ model, bf16 activations; docs/benchmarks.md):
 
 - torch's CPU kernel for group-wise 4-bit weights (`_weight_int4pack_mm_for_cpu`, which computes (q - 8) * scale +
   zero; scale = d and zero = m + 8d is the file's weight, rounded only by the bf16 scales): ~11 ms at 1 row against
-  ~18 ms for the AMX kernel, but ~40 ms from 8 rows. Used up to INT4_MAX_ROWS rows (MAX_ROWS on a CPU without AMX),
-  except for a Q8_0 matrix (the lm_head) on an AMX CPU: its two planes take 2.0-2.4 ms at 1-2 rows, AMX 1.4-1.6 ms.
-- `kernels.linear_gguf` (AMX, kernels/csrc/amx_linear.cpp): dequantizes tile by tile to exactly the dense bf16
-  weights, ~17-29 ms at 4-32 rows against ~22-35 ms for bf16 AMX and ~35-55 ms for oneDNN. Used up to
-  kernels.AMX_MAX_ROWS rows.
+  ~18 ms for the AMX kernel, but ~40 ms from 8 rows. Used up to INT4_MAX_ROWS[isa] rows, except for a Q8_0 matrix
+  (the lm_head) where a packed kernel exists: its two planes take 2.0-2.4 ms at 1-2 rows, AMX 1.4-1.6 ms.
+- `kernels.linear_gguf` (kernels/csrc/amx_linear.cpp): dequantizes tile by tile to exactly the dense bf16 weights,
+  ~17-29 ms at 4-32 rows against ~22-35 ms for bf16 AMX and ~35-55 ms for oneDNN. Used up to kernels.AMX_MAX_ROWS
+  rows. On an AVX-512 CPU without AMX the same kernel runs as fp32 FMAs: all 120 layers 10.0 / 11.2 / 22.3 / 43.0 ms
+  with the 4-bit kernel at 1 / 4 / 8 / 16 rows, 14.2 / 16.3 / 23.8 / 34.0 ms packed; the lm_head 1.9 / 3.8 / 7.2 ms
+  against 1.9 / 2.6 / 3.4 ms (dense bf16 in oneDNN: 26.6 / 36.6 / 39.2 / 45.1 ms).
 
 Prefill chunks and larger batches keep the dense bf16 weights (oneDNN is the fastest there).
 """
@@ -30,8 +32,9 @@ import kernels
 from engine.errors import ModelLoadError
 
 GROUP = 32            # Q4_1 and Q8_0 block size; also the kernel's group size
-MAX_ROWS = 8          # torch's 4-bit kernel up to this many rows on a CPU without AMX (2x bf16 at 1 row, 1.07x at 8)
-INT4_MAX_ROWS = 2     # ... and on an AMX CPU, where the AMX kernel is as fast from ~4 rows and faster from 8
+# torch's 4-bit kernel up to this many rows, by the ISA of the packed kernel (kernels.packed_isa): with no packed
+# kernel 2x dense bf16 at 1 row, 1.07x at 8; AMX is as fast from ~4 rows and faster from 8; AVX-512 FMAs from ~8
+INT4_MAX_ROWS = {None: 8, "amx": 2, "avx512": 4}
 _Q4_1_BYTES = 20      # per block: fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BYTES = 34      # per block: fp16 d, 32 int8
 
@@ -54,19 +57,20 @@ class Q4Linear(nn.Module):
     """A linear layer with its weight as GGUF blocks (small batches) and dense (everything else).
 
     The blocks become planes for torch's 4-bit kernel: a Q4_1 matrix is one plane; a Q8_0 matrix is two, its int8
-    q + 128 = 16 * hi + lo split into two 4-bit matrices that together still read half the bytes of bf16. On an AMX CPU
-    with bf16 weights they are also packed for `kernels.linear_gguf`."""
+    q + 128 = 16 * hi + lo split into two 4-bit matrices that together still read half the bytes of bf16. With bf16
+    weights on a CPU with a packed kernel (AMX or AVX-512) they are also packed for `kernels.linear_gguf`."""
 
     def __init__(self, dense: nn.Linear, blocks: "GgufBlocks"):
         super().__init__()
         self.weight, self.bias = dense.weight, dense.bias
-        self.amx: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.weight.dtype == torch.bfloat16 and kernels.amx_available():
+        self.amx: tuple[torch.Tensor, torch.Tensor] | None = None   # the packed blocks (named for the first ISA)
+        isa = kernels.packed_isa() if self.weight.dtype == torch.bfloat16 else None
+        if isa is not None:
             self.amx = blocks.pack_amx()
         self.planes = blocks.planes(self.weight.dtype)
-        self.int4_max_rows = MAX_ROWS if self.amx is None else INT4_MAX_ROWS
+        self.int4_max_rows = INT4_MAX_ROWS[isa]
         if self.amx is not None and len(self.planes) > 1:
-            self.int4_max_rows = 0   # Q8_0 (lm_head): its two 4-bit passes lose to AMX at every size
+            self.int4_max_rows = 0   # Q8_0 (lm_head): its two 4-bit passes lose to the packed kernel at every size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

@@ -1,4 +1,5 @@
-// bf16 linear layers on the CPU's AMX tile units, with weights packed once at load.
+// bf16 linear layers on the CPU's AMX tile units (or, on an AVX-512 CPU without AMX, fp32 FMAs), with weights packed
+// once at load.
 //
 // Why: oneDNN's bf16 GEMM (F.linear) re-lays the weight out for AMX on every call, so at decode sizes (8-64 rows) it
 // ran at ~0.1-0.4 TFLOP/s on this CPU: a 32-sequence decode step of SmolLM2-135M spent ~50 of ~90 ms in its 121 GEMMs.
@@ -9,6 +10,12 @@
 // (2r, 2r+1) of its 16 columns, interleaved (AMX's "VNNI" order), so one tile load is 1 KiB of contiguous memory.
 // Accumulation is fp32 and the output is rounded once to bf16 (round to nearest even), as oneDNN does; only the
 // summation order differs.
+//
+// Without AMX (AVX-512 with BF16 conversions, e.g. a VM that hides AMX) the same packed layout feeds fp32 FMAs: one
+// 64-byte tile row holds 16 columns x a k pair, and a shift / a mask turn it into the fp32 weights of the even and odd
+// k of those 16 columns (bf16 is the top half of an fp32). Why not VDPBF16PS: on such a CPU it issued at ~1.5 G/s a
+// core against ~6 G/s for 512-bit FMAs (97 against 191 GFLOP/s, measured), and oneDNN's bf16 GEMM, built on it, ran
+// at half of MKL's fp32 GEMM (0.17 against 0.31 TFLOP/s at 256-1024 rows, 2 cores).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,8 +25,11 @@
 #include <cstring>
 #include <memory>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+#define RTSERVE_AVX512 1
+#endif
+#if defined(RTSERVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define RTSERVE_AMX 1
@@ -62,7 +72,17 @@ bool amx_usable() {
 #endif
 }
 
-#ifdef RTSERVE_AMX
+int packed_isa_impl() {
+#ifdef RTSERVE_AVX512
+  if (amx_usable()) return 2;
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  return avx512 ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+#ifdef RTSERVE_AVX512
 // The fp32 accumulators of one 32x32 output block (+ bias) into `rows` rows of y at column block nb, rounded once to
 // bf16 (nearest even); Y points at the block's first row.
 inline void write_rows(const float (*c)[32], int64_t rows, const float* bias, int64_t nb, uint16_t* Y, int64_t N) {
@@ -75,6 +95,7 @@ inline void write_rows(const float (*c)[32], int64_t rows, const float* bias, in
   }
 }
 
+#ifdef RTSERVE_AMX
 // y[:, nb*32 : nb*32+32] = A @ block^T for one column block whose KB tile pairs lie at `wb` (tile layout above).
 // A is x in tile order (see `prepare`); tiles are configured by the caller's thread.
 inline void gemm_block(const uint16_t* A, int64_t M, int64_t Mp, const uint16_t* wb, int64_t KB,
@@ -117,6 +138,7 @@ inline void gemm_block(const uint16_t* A, int64_t M, int64_t Mp, const uint16_t*
     write_rows(c, std::min<int64_t>(32, M - m), bias, nb, Y + m * N, N);
   }
 }
+#endif
 
 // Per-column scales of a 16-column tile, spread to the tile-row lanes: lane e of a row belongs to column e / 2.
 inline void spread(const at::Half* h, __m512& lo, __m512& hi) {
@@ -165,6 +187,7 @@ inline void dequant_q8_0(const uint8_t* qs, const at::Half* dm, uint16_t* out) {
   }
 }
 
+#ifdef RTSERVE_AMX
 // One column block for Mp <= 32 (two row tiles at most): each tile pair is dequantized into slot kb % 4 of `ring` and
 // loaded at once, so the bf16 weights never leave L1.
 template <bool Q4>
@@ -202,19 +225,74 @@ inline void gemm_block_fused(const uint16_t* A, int64_t M, int64_t Mp, const uin
   _tile_stored(3, &c[16][16], 128);
   write_rows(c, std::min<int64_t>(32, M), bias, nb, Y, N);
 }
-#endif
+#endif  // RTSERVE_AMX
+
+// --- AVX-512 without AMX: fp32 FMAs on the same packed weights.
+// R rows of fp32 x (row stride K) times one column block (KB tile pairs at wb) into c[0..R), fp32. Even and odd k
+// accumulate apart (4R chains), so even one row keeps the FMA pipes busy instead of waiting on one chain's latency.
+template <int R>
+inline void fma_rows(const float* X, int64_t K, const uint16_t* wb, int64_t KB, float (*c)[32]) {
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint16_t* w = wb + kb * kBlockElems;
+    const float* x = X + kb * kTileK;
+    for (int r = 0; r < 16; ++r) {
+      const __m512i v0 = _mm512_loadu_si512(w + 32 * r), v1 = _mm512_loadu_si512(w + 512 + 32 * r);
+      const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+      const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, hi_mask));
+      const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+      const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, hi_mask));
+      for (int i = 0; i < R; ++i) {
+        const __m512 xe = _mm512_set1_ps(x[i * K + 2 * r]), xo = _mm512_set1_ps(x[i * K + 2 * r + 1]);
+        acc[i][0] = _mm512_fmadd_ps(xe, e0, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(xo, o0, acc[i][1]);
+        acc[i][2] = _mm512_fmadd_ps(xe, e1, acc[i][2]);
+        acc[i][3] = _mm512_fmadd_ps(xo, o1, acc[i][3]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_store_ps(&c[i][0], _mm512_add_ps(acc[i][0], acc[i][1]));
+    _mm512_store_ps(&c[i][16], _mm512_add_ps(acc[i][2], acc[i][3]));
+  }
+}
+
+constexpr int kFmaRows = 4;   // rows per pass: 16 accumulators + 4 weight vectors + broadcasts fit the 32 registers
+
+// y[:, nb*32 : nb*32+32] for all M rows of fp32 X, kFmaRows at a time; the column block stays in L1/L2 between passes.
+inline void fma_block(const float* X, int64_t M, int64_t K, const uint16_t* wb, int64_t KB, const float* bias,
+                      int64_t nb, uint16_t* Y, int64_t N) {
+  alignas(64) float c[32][32];
+  for (int64_t m = 0; m < M; m += kFmaRows) {
+    const int64_t rows = std::min<int64_t>(kFmaRows, M - m);
+    const float* x = X + m * K;
+    switch (rows) {
+      case 4: fma_rows<4>(x, K, wb, KB, c); break;
+      case 3: fma_rows<3>(x, K, wb, KB, c); break;
+      case 2: fma_rows<2>(x, K, wb, KB, c); break;
+      default: fma_rows<1>(x, K, wb, KB, c); break;
+    }
+    write_rows(c, rows, bias, nb, Y + m * N, N);
+  }
+}
+#endif  // RTSERVE_AVX512
 
 struct Prepared {
   at::Tensor out, a, bias_f;
   int64_t M, Mp;
+  int isa;                  // 2 AMX (a: x in tile order, bf16), 1 AVX-512 (a: x as fp32 [M, K])
   const float* bias = nullptr;
 };
 
 Prepared prepare(const at::Tensor& x, int64_t K, int64_t N, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_usable(), "amx_linear: this CPU or build has no AMX bf16");
+  Prepared p;
+  p.isa = packed_isa_impl();
+  TORCH_CHECK(p.isa > 0, "amx_linear: this CPU or build has neither AMX nor AVX-512 BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear expects x [rows, K] bf16");
   TORCH_CHECK(x.size(1) == K, "amx_linear: x has ", x.size(1), " features, the packed weight ", K);
-  Prepared p;
   p.M = x.size(0);
   p.out = at::empty({p.M, N}, x.options());
   if (bias.has_value() && bias->defined()) {
@@ -222,10 +300,14 @@ Prepared prepare(const at::Tensor& x, int64_t K, int64_t N, const c10::optional<
     p.bias_f = bias->to(at::kFloat).contiguous();
     p.bias = p.bias_f.data_ptr<float>();
   }
+  p.Mp = (p.M + 15) / 16 * 16;
+  if (p.isa == 1) {   // the FMA kernel broadcasts fp32 x values: convert once (exact)
+    p.a = x.to(at::kFloat).contiguous();
+    return p;
+  }
   // x in tile order, [Mp / 16, K / 32, 16, 32], zero rows past M: each A tile is then 1 KiB of contiguous memory.
   // Strided tile loads straight from x (a 2 KiB row stride at K = 1024) ran at ~0.4 TFLOP/s a core on a 512-row
   // GEMM against ~0.68 from this layout; the copy costs one pass over x.
-  p.Mp = (p.M + 15) / 16 * 16;
   const int64_t KB = K / kTileK, tiles = p.Mp / 16;
   const at::Tensor xc = x.contiguous();
   p.a = at::empty({tiles, KB, 16, kTileK}, x.options());
@@ -249,7 +331,7 @@ Prepared prepare(const at::Tensor& x, int64_t K, int64_t N, const c10::optional<
 
 }  // namespace
 
-bool amx_available() { return amx_usable(); }
+int64_t packed_isa() { return packed_isa_impl(); }
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
@@ -258,10 +340,20 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   const int64_t NB = packed.size(0), KB = packed.size(1), N = NB * kBlockN;
   Prepared p = prepare(x, KB * kTileK, N, bias);
   if (p.M == 0) return p.out;
-#ifdef RTSERVE_AMX
-  const auto* A = reinterpret_cast<const uint16_t*>(p.a.data_ptr<at::BFloat16>());
+#ifdef RTSERVE_AVX512
   const auto* W = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* Y = reinterpret_cast<uint16_t*>(p.out.data_ptr<at::BFloat16>());
+  if (p.isa == 1) {
+    const float* X = p.a.data_ptr<float>();
+    at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+      for (int64_t nb = nb0; nb < nb1; ++nb)
+        fma_block(X, p.M, KB * kTileK, W + nb * KB * kBlockElems, KB, p.bias, nb, Y, N);
+    });
+    return p.out;
+  }
+#endif
+#ifdef RTSERVE_AMX
+  const auto* A = reinterpret_cast<const uint16_t*>(p.a.data_ptr<at::BFloat16>());
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
     configure_tiles();
     for (int64_t nb = nb0; nb < nb1; ++nb)
@@ -286,12 +378,36 @@ at::Tensor amx_linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::
   const int64_t NB = qs.size(0), KB = qs.size(1), N = NB * kBlockN;
   Prepared p = prepare(x, KB * kTileK, N, bias);
   if (p.M == 0) return p.out;
-#ifdef RTSERVE_AMX
-  const auto* A = reinterpret_cast<const uint16_t*>(p.a.data_ptr<at::BFloat16>());
+#ifdef RTSERVE_AVX512
   const auto* Q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const auto* D = dm.data_ptr<at::Half>();
   auto* Y = reinterpret_cast<uint16_t*>(p.out.data_ptr<at::BFloat16>());
   const int64_t q_block = q4 ? 512 : 1024, d_block = q4 ? 64 : 32;  // bytes / halves per tile pair
+  // a column block's tile pairs dequantized into a K-long bf16 buffer (L1/L2), then multiplied
+  auto dequant_block = [&](int64_t nb, uint16_t* out) {
+    const uint8_t* q = Q + nb * KB * q_block;
+    const at::Half* d = D + nb * KB * d_block;
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      if (q4)
+        dequant_q4_1(q + kb * q_block, d + kb * d_block, out + kb * kBlockElems);
+      else
+        dequant_q8_0(q + kb * q_block, d + kb * d_block, out + kb * kBlockElems);
+    }
+  };
+  if (p.isa == 1) {
+    const float* X = p.a.data_ptr<float>();
+    at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+      std::unique_ptr<uint16_t[]> buf(new uint16_t[KB * kBlockElems]);
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        dequant_block(nb, buf.get());
+        fma_block(X, p.M, KB * kTileK, buf.get(), KB, p.bias, nb, Y, N);
+      }
+    });
+    return p.out;
+  }
+#endif
+#ifdef RTSERVE_AMX
+  const auto* A = reinterpret_cast<const uint16_t*>(p.a.data_ptr<at::BFloat16>());
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
     configure_tiles();
     // Mp <= 32: each tile pair is dequantized into a 4-slot L1 ring right before its tile loads (measured ~1.3x
@@ -299,21 +415,16 @@ at::Tensor amx_linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::
     // into a K-long buffer first
     std::unique_ptr<uint16_t[]> buf(new uint16_t[std::max<int64_t>(KB, 4) * kBlockElems]);
     for (int64_t nb = nb0; nb < nb1; ++nb) {
-      const uint8_t* q = Q + nb * KB * q_block;
-      const at::Half* d = D + nb * KB * d_block;
       if (p.Mp <= 32) {
+        const uint8_t* q = Q + nb * KB * q_block;
+        const at::Half* d = D + nb * KB * d_block;
         if (q4)
           gemm_block_fused<true>(A, p.M, p.Mp, q, d, KB, p.bias, nb, Y, N, buf.get());
         else
           gemm_block_fused<false>(A, p.M, p.Mp, q, d, KB, p.bias, nb, Y, N, buf.get());
         continue;
       }
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        if (q4)
-          dequant_q4_1(q + kb * q_block, d + kb * d_block, buf.get() + kb * kBlockElems);
-        else
-          dequant_q8_0(q + kb * q_block, d + kb * d_block, buf.get() + kb * kBlockElems);
-      }
+      dequant_block(nb, buf.get());
       gemm_block(A, p.M, p.Mp, buf.get(), KB, p.bias, nb, Y, N);
     }
     _tile_release();
@@ -323,7 +434,7 @@ at::Tensor amx_linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::
 }
 
 TORCH_LIBRARY_FRAGMENT(rtserve_cpu, m) {
-  m.def("amx_available() -> bool", TORCH_FN(amx_available));
+  m.def("packed_isa() -> int", TORCH_FN(packed_isa));
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.impl("amx_linear", c10::DispatchKey::CPU, TORCH_FN(amx_linear));
   m.def("amx_linear_gguf(Tensor x, Tensor qs, Tensor dm, Tensor? bias) -> Tensor");
