@@ -61,12 +61,26 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
         n // 32, k // 32, 2, 16, 32).contiguous()
 
 
+def pack_wide_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """An fp32 copy of a bf16 CPU weight for batches above AMX_MAX_ROWS (prefill chunks) where the packed kernel runs
+    as AVX-512 FMAs, else None. Why: without AMX, oneDNN's bf16 GEMM reached 0.17 TFLOP/s here against 0.31 for MKL's
+    fp32 one on the same bf16 values (the products are exact in fp32; accumulation is fp32 either way, and the output
+    is rounded once to bf16 as oneDNN does). Costs 2x the bf16 weight's memory."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or packed_isa() != "avx512":
+        return None
+    return weight.detach().float()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, wide: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias; decode-sized bf16 batches go to the packed kernel (AMX tiles, or fp32 FMAs on an AVX-512
-    CPU without AMX) when `packed` (from pack_linear_weight) is given, everything else to torch (oneDNN)."""
-    if packed is not None and x.dim() == 2 and x.shape[0] <= AMX_MAX_ROWS:
-        return cpu_ext.ops().amx_linear(x, packed, bias)
+    CPU without AMX) when `packed` (from pack_linear_weight) is given, larger ones to MKL's fp32 GEMM when `wide`
+    (from pack_wide_weight) is, everything else to torch (oneDNN)."""
+    if x.dim() == 2 and x.shape[0] <= AMX_MAX_ROWS:
+        if packed is not None:
+            return cpu_ext.ops().amx_linear(x, packed, bias)
+    elif wide is not None:
+        return torch.nn.functional.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
     return torch.nn.functional.linear(x, weight, bias)
 
 

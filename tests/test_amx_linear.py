@@ -55,8 +55,16 @@ def test_packed_linear_matches_fp32_reference(rows, n, k):
 
 def test_packed_linear_leaves_large_batches_to_torch():
     w = torch.randn(64, 64).bfloat16()
+    b = torch.randn(64).bfloat16()
     x = torch.randn(kernels.AMX_MAX_ROWS + 1, 64).bfloat16()
-    assert torch.equal(kernels.linear(x, w, None, kernels.pack_linear_weight(w)), F.linear(x, w))
+    packed, wide = kernels.pack_linear_weight(w), kernels.pack_wide_weight(w)
+    assert torch.equal(kernels.linear(x, w, b, packed), F.linear(x, w, b))      # oneDNN's bf16 GEMM
+    assert (wide is not None) == (kernels.packed_isa() == "avx512")           # without AMX: MKL's fp32 GEMM
+    if wide is not None:
+        y = kernels.linear(x, w, b, packed, wide)
+        assert torch.equal(y, F.linear(x.float(), w.float(), b.float()).bfloat16())
+        ref = x.double() @ w.double().T + b.double()
+        assert ((y.double() - ref).abs() - ref.abs() * 2 ** -8).max() < 1e-3 * ref.abs().max()
 
 
 def _q4_1(n, k, rng):

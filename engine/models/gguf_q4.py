@@ -67,6 +67,7 @@ class Q4Linear(nn.Module):
         isa = kernels.packed_isa() if self.weight.dtype == torch.bfloat16 else None
         if isa is not None:
             self.amx = blocks.pack_amx()
+        self.wide = kernels.pack_wide_weight(self.weight)   # prefill-sized batches without AMX
         self.planes = blocks.planes(self.weight.dtype)
         self.int4_max_rows = INT4_MAX_ROWS[isa]
         if self.amx is not None and len(self.planes) > 1:
@@ -77,7 +78,7 @@ class Q4Linear(nn.Module):
         if rows > self.int4_max_rows:
             if self.amx is not None and rows <= kernels.AMX_MAX_ROWS:
                 return kernels.linear_gguf(x, *self.amx, self.bias)
-            return F.linear(x, self.weight, self.bias)
+            return kernels.linear(x, self.weight, self.bias, None, self.wide)
         x = x.contiguous()
         y = self.planes[0].mm(x)
         for plane in self.planes[1:]:
@@ -89,7 +90,7 @@ class Q4Linear(nn.Module):
         if len(self.planes) != 1:
             return None
         qs, dm = self.amx if self.amx is not None else (None, None)
-        return [self.weight, self.bias, None, qs, dm, self.planes[0].packed, self.planes[0].scales_and_zeros]
+        return [self.weight, self.bias, None, qs, dm, self.planes[0].packed, self.planes[0].scales_and_zeros, self.wide]
 
     def dequantized(self) -> torch.Tensor:
         """The weight torch's 4-bit kernel multiplies by, as a dense matrix (for checks)."""

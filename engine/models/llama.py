@@ -30,17 +30,19 @@ class Linear(nn.Linear):
     decode-sized bf16 batches on the CPU (kernels.linear)."""
 
     packed: torch.Tensor | None = None
+    wide: torch.Tensor | None = None      # fp32 copy for prefill-sized batches on an AVX-512 CPU without AMX
 
     def pack(self) -> None:
         self.packed = kernels.pack_linear_weight(self.weight)
+        self.wide = kernels.pack_wide_weight(self.weight) if self.packed is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.packed)
+        return kernels.linear(x, self.weight, self.bias, self.packed, self.wide)
 
     def stack_slots(self) -> list[torch.Tensor | None]:
-        """This layer's slots in the C++ decode stack (kernels/csrc/decode_stack.cpp): dense, bias, AMX-packed, then
-        the GGUF and 4-bit slots it does not have."""
-        return [self.weight, self.bias, self.packed, None, None, None, None]
+        """This layer's slots in the C++ decode stack (kernels/csrc/decode_stack.cpp): dense, bias, packed, then the
+        GGUF and 4-bit slots it does not have, then the fp32 copy."""
+        return [self.weight, self.bias, self.packed, None, None, None, None, self.wide]
 
 
 class RMSNorm(nn.Module):

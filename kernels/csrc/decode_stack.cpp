@@ -7,7 +7,7 @@
 //
 // weights, per layer (kSlotsPerLayer): input norm, post-attention norm, then 4 linear layers (qkv, o, gate_up, down)
 // of kSlotsPerLinear slots each: dense weight, bias, AMX-packed dense weight, GGUF qs, GGUF dm, torch int4 packed,
-// torch int4 scales_and_zeros (None where absent); then the final norm. A linear layer picks its kernel by row count
+// torch int4 scales_and_zeros, fp32 copy for large batches (None where absent); then the final norm. A linear layer picks its kernel by row count
 // as `kernels.linear` and `Q4Linear.forward` do.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -26,7 +26,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 namespace {
 
-constexpr int64_t kSlotsPerLinear = 7;
+constexpr int64_t kSlotsPerLinear = 8;
 constexpr int64_t kSlotsPerLayer = 2 + 4 * kSlotsPerLinear;
 constexpr int64_t kAmxMaxRows = 64;   // kernels.AMX_MAX_ROWS
 constexpr int64_t kInt4Group = 32;    // gguf_q4.GROUP
@@ -45,6 +45,9 @@ at::Tensor linear(const at::Tensor& x, const Slots& w, int64_t s, int64_t int4_m
   if (rows <= kAmxMaxRows) {
     if (has(w, s + 3)) return amx_linear_gguf(x, *w[s + 3], *w[s + 4], bias);
     if (has(w, s + 2)) return amx_linear(x, *w[s + 2], bias);
+  } else if (has(w, s + 7)) {   // kernels.linear's `wide` path: MKL's fp32 GEMM, rounded once to bf16
+    return at::linear(x.to(at::kFloat), *w[s + 7], bias ? c10::optional<at::Tensor>(bias->to(at::kFloat)) : c10::nullopt)
+        .to(x.scalar_type());
   }
   return at::linear(x, *w[s], bias);
 }
