@@ -228,13 +228,17 @@ inline void gemm_block_fused(const uint16_t* A, int64_t M, int64_t Mp, const uin
 #endif  // RTSERVE_AMX
 
 // --- AVX-512 without AMX: fp32 FMAs on the same packed weights.
-// R rows of fp32 x (row stride K) times one column block (KB tile pairs at wb) into c[0..R), fp32. Even and odd k
-// accumulate apart (4R chains), so even one row keeps the FMA pipes busy instead of waiting on one chain's latency.
+// R rows of fp32 x (row stride K) times one column block (KB tile pairs at wb) into c[0..R), fp32. Below 4 rows the
+// even and odd k accumulate apart (4R chains), so even one row keeps both FMA pipes busy instead of waiting on a
+// chain's latency; from 4 rows 2R chains are enough, and the registers go to more rows instead (8: 16 accumulators,
+// 4 weight vectors, 2 broadcasts), which spreads the weight's shift / mask over more FMAs.
 template <int R>
 inline void fma_rows(const float* X, int64_t K, const uint16_t* wb, int64_t KB, float (*c)[32]) {
-  __m512 acc[R][4];
+  constexpr bool split = R < 4;
+  constexpr int A = split ? 4 : 2;
+  __m512 acc[R][A];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < A; ++j) acc[i][j] = _mm512_setzero_ps();
   const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint16_t* w = wb + kb * kBlockElems;
@@ -247,20 +251,30 @@ inline void fma_rows(const float* X, int64_t K, const uint16_t* wb, int64_t KB, 
       const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, hi_mask));
       for (int i = 0; i < R; ++i) {
         const __m512 xe = _mm512_set1_ps(x[i * K + 2 * r]), xo = _mm512_set1_ps(x[i * K + 2 * r + 1]);
-        acc[i][0] = _mm512_fmadd_ps(xe, e0, acc[i][0]);
-        acc[i][1] = _mm512_fmadd_ps(xo, o0, acc[i][1]);
-        acc[i][2] = _mm512_fmadd_ps(xe, e1, acc[i][2]);
-        acc[i][3] = _mm512_fmadd_ps(xo, o1, acc[i][3]);
+        if constexpr (split) {
+          acc[i][0] = _mm512_fmadd_ps(xe, e0, acc[i][0]);
+          acc[i][1] = _mm512_fmadd_ps(xo, o0, acc[i][1]);
+          acc[i][2] = _mm512_fmadd_ps(xe, e1, acc[i][2]);
+          acc[i][3] = _mm512_fmadd_ps(xo, o1, acc[i][3]);
+        } else {
+          acc[i][0] = _mm512_fmadd_ps(xo, o0, _mm512_fmadd_ps(xe, e0, acc[i][0]));
+          acc[i][1] = _mm512_fmadd_ps(xo, o1, _mm512_fmadd_ps(xe, e1, acc[i][1]));
+        }
       }
     }
   }
   for (int i = 0; i < R; ++i) {
-    _mm512_store_ps(&c[i][0], _mm512_add_ps(acc[i][0], acc[i][1]));
-    _mm512_store_ps(&c[i][16], _mm512_add_ps(acc[i][2], acc[i][3]));
+    if constexpr (split) {
+      _mm512_store_ps(&c[i][0], _mm512_add_ps(acc[i][0], acc[i][1]));
+      _mm512_store_ps(&c[i][16], _mm512_add_ps(acc[i][2], acc[i][3]));
+    } else {
+      _mm512_store_ps(&c[i][0], acc[i][0]);
+      _mm512_store_ps(&c[i][16], acc[i][1]);
+    }
   }
 }
 
-constexpr int kFmaRows = 4;   // rows per pass: 16 accumulators + 4 weight vectors + broadcasts fit the 32 registers
+constexpr int kFmaRows = 8;   // rows per pass (see fma_rows)
 
 // y[:, nb*32 : nb*32+32] for all M rows of fp32 X, kFmaRows at a time; the column block stays in L1/L2 between passes.
 inline void fma_block(const float* X, int64_t M, int64_t K, const uint16_t* wb, int64_t KB, const float* bias,
@@ -270,6 +284,10 @@ inline void fma_block(const float* X, int64_t M, int64_t K, const uint16_t* wb, 
     const int64_t rows = std::min<int64_t>(kFmaRows, M - m);
     const float* x = X + m * K;
     switch (rows) {
+      case 8: fma_rows<8>(x, K, wb, KB, c); break;
+      case 7: fma_rows<7>(x, K, wb, KB, c); break;
+      case 6: fma_rows<6>(x, K, wb, KB, c); break;
+      case 5: fma_rows<5>(x, K, wb, KB, c); break;
       case 4: fma_rows<4>(x, K, wb, KB, c); break;
       case 3: fma_rows<3>(x, K, wb, KB, c); break;
       case 2: fma_rows<2>(x, K, wb, KB, c); break;
