@@ -12,11 +12,12 @@ model, bf16 activations; docs/benchmarks.md):
   (the lm_head) where a packed kernel exists: its two planes take 2.0-2.4 ms at 1-2 rows, AMX 1.4-1.6 ms.
 - `kernels.linear_gguf` (kernels/csrc/amx_linear.cpp): dequantizes tile by tile to exactly the dense bf16 weights,
   ~17-29 ms at 4-32 rows against ~22-35 ms for bf16 AMX and ~35-55 ms for oneDNN. Used up to kernels.AMX_MAX_ROWS
-  rows. On an AVX-512 CPU without AMX the same kernel runs as fp32 FMAs: all 120 layers 10.0 / 11.2 / 22.3 / 43.0 ms
-  with the 4-bit kernel at 1 / 4 / 8 / 16 rows, 14.2 / 16.3 / 23.8 / 34.0 ms packed; the lm_head 1.9 / 3.8 / 7.2 ms
-  against 1.9 / 2.6 / 3.4 ms (dense bf16 in oneDNN: 26.6 / 36.6 / 39.2 / 45.1 ms).
+  rows. On an AVX-512 CPU without AMX the same kernel runs as fp32 FMAs: all 120 body layers 4.7 / 6.5 / 11.9 / 23.2 /
+  45.1 ms with the 4-bit kernel at 1 / 4 / 8 / 16 / 32 rows, 7.0 / 8.8 / 11.5 / 18.5 / 26.8 ms packed; the lm_head
+  1.9 / 3.8 / 7.2 ms at 1 / 4 / 8 rows against 1.9 / 2.6 / 3.4 ms packed.
 
-Prefill chunks and larger batches keep the dense bf16 weights (oneDNN is the fastest there).
+Prefill chunks and larger batches keep the dense bf16 weights (oneDNN on AMX; without AMX, MKL's fp32 GEMM on an fp32
+copy, `kernels.pack_wide_weight`).
 """
 from __future__ import annotations
 

@@ -26,15 +26,15 @@ class AttentionMetadata:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can carry a second copy of its weight in the AMX kernel's tile order (`pack`), used for
-    decode-sized bf16 batches on the CPU (kernels.linear)."""
+    """nn.Linear that can carry copies of its weight (`pack`): in the packed kernel's tile order, for decode-sized bf16
+    batches on the CPU, and, without AMX, in fp32 for prefill-sized ones (kernels.linear)."""
 
     packed: torch.Tensor | None = None
     wide: torch.Tensor | None = None      # fp32 copy for prefill-sized batches on an AVX-512 CPU without AMX
 
     def pack(self) -> None:
         self.packed = kernels.pack_linear_weight(self.weight)
-        self.wide = kernels.pack_wide_weight(self.weight) if self.packed is not None else None
+        self.wide = kernels.pack_wide_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias, self.packed, self.wide)
@@ -209,7 +209,8 @@ class LlamaForCausalLM(nn.Module):
         return weights + [self.norm.weight], limits.pop() if limits else 0
 
     def pack_weights(self) -> int:
-        """Give every linear layer its AMX copy (bf16 on an AMX CPU; a no-op elsewhere); returns how many got one."""
+        """Give every linear layer its packed copy (bf16 on an AMX or AVX-512 BF16 CPU; a no-op elsewhere), and its
+        fp32 one where there is no AMX; returns how many got a packed copy."""
         self._stack = None
         packed = 0
         for module in self.modules():
