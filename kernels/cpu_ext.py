@@ -51,9 +51,10 @@ def _load():
 
         # -fopenmp: at::parallel_for is inline OpenMP, one thread without it; the loader then binds the ops to the
         # libgomp.so.1 torch already loaded, so they share torch's thread pool
-        # torch rebuilds when a listed source changes but does not see headers: their hash goes into the flags
+        # torch rebuilds when a listed source changes but does not see headers, nor the CPU that -march=native built
+        # for (a cached AMX build would crash on a CPU without AMX): their hash goes into the flags
         files = sorted(p for p in _SOURCES[0].parent.iterdir() if p.is_file())
-        digest = hashlib.sha1(b"".join(p.read_bytes() for p in files)).hexdigest()
+        digest = hashlib.sha1(b"".join(p.read_bytes() for p in files) + _cpu_flags()).hexdigest()
         load("rtserve_cpu", sources=[str(s) for s in _SOURCES],
              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", f"-DRTSERVE_CSRC={digest[:12]}"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
@@ -61,6 +62,15 @@ def _load():
     except Exception as e:  # no compiler, no ninja, read-only cache: fall back to the torch path
         log.warning("C++ CPU ops unavailable, using the pure-torch path: %s", str(e).splitlines()[0][:300])
         return None
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags (Linux), which decide what -march=native compiles."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
 
 
 def _op(name: str):
