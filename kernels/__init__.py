@@ -47,7 +47,7 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     return _impl(q.device).paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out=out)
 
 
-AMX_MAX_ROWS = 64   # the packed kernels take up to this many rows: on AMX 1.2-5x oneDNN at 1-64, on par or slower from ~96
+AMX_MAX_ROWS = 64   # packed kernels up to this many rows: on AMX 1.2-5x oneDNN at 1-64, on par or slower from ~96
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -116,7 +116,7 @@ def pack_gguf_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def linear_gguf(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias on packed GGUF blocks (the packed kernel; bf16 x). Each weight is dequantized in fp32 and rounded to bf16
+    """x @ W.T + bias on packed GGUF blocks (bf16 x). Each weight is dequantized in fp32 and rounded to bf16
     exactly as the dense bf16 model's weight was, so the result equals `linear` on that dense weight."""
     return cpu_ext.ops().amx_linear_gguf(x, qs, dm, bias)
 

@@ -4,8 +4,8 @@
   engine sends it (1-64, tails of 16 included) and with bias.
 - `kernels.linear_gguf` on Q4_1 / Q8_0 blocks packed by `kernels.pack_gguf_*`: the weight it multiplies by is bit for bit
   the dense bf16 weight gguf's own dequantization gives (bf16(d * q + m)), so its outputs equal the bf16 kernel's.
-On an AMX CPU the kernels run on AMX tiles; on an AVX-512 BF16 CPU without AMX (a VM may hide it) as fp32 FMAs on the
-same packed weights; elsewhere `kernels.linear` must fall back to torch. Every test below runs whichever this CPU has."""
+On an AMX CPU the kernels run on AMX tiles; on an AVX-512 BF16 CPU without AMX (a VM may hide it) as fp32 FMAs on
+the same packed weights; elsewhere `kernels.linear` must fall back to torch. The tests run whichever this CPU has."""
 from __future__ import annotations
 
 import numpy as np

@@ -87,7 +87,7 @@ def test_preemption_resumes_with_same_tokens(reference):
     assert llm.engine.block_manager.num_free == 12
 
 
-def test_bf16_logits_close_to_hf_bf16(hf_model):
+def test_bf16_logits_within_bf16_noise_of_fp32(hf_model):
     """bf16 against the exact fp32 forward, with HF's own bf16 forward as the yardstick: summation order decides where
     bf16 rounds, and 30 layers amplify that, so two correct bf16 paths differ from each other by more than either
     differs from fp32 (8 prompts here: HF bf16 up to 0.15 from fp32, ours up to 0.16 on oneDNN and 0.26 on the

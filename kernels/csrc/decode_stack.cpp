@@ -7,8 +7,8 @@
 //
 // weights, per layer (kSlotsPerLayer): input norm, post-attention norm, then 4 linear layers (qkv, o, gate_up, down)
 // of kSlotsPerLinear slots each: dense weight, bias, AMX-packed dense weight, GGUF qs, GGUF dm, torch int4 packed,
-// torch int4 scales_and_zeros, fp32 copy for large batches (None where absent); then the final norm. A linear layer picks its kernel by row count
-// as `kernels.linear` and `Q4Linear.forward` do.
+// torch int4 scales_and_zeros, fp32 copy for large batches (None where absent); then the final norm. A linear layer
+// picks its kernel by row count as `kernels.linear` and `Q4Linear.forward` do.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -46,8 +46,8 @@ at::Tensor linear(const at::Tensor& x, const Slots& w, int64_t s, int64_t int4_m
     if (has(w, s + 3)) return amx_linear_gguf(x, *w[s + 3], *w[s + 4], bias);
     if (has(w, s + 2)) return amx_linear(x, *w[s + 2], bias);
   } else if (has(w, s + 7)) {   // kernels.linear's `wide` path: MKL's fp32 GEMM, rounded once to bf16
-    return at::linear(x.to(at::kFloat), *w[s + 7], bias ? c10::optional<at::Tensor>(bias->to(at::kFloat)) : c10::nullopt)
-        .to(x.scalar_type());
+    const c10::optional<at::Tensor> bias_f = bias ? c10::optional<at::Tensor>(bias->to(at::kFloat)) : c10::nullopt;
+    return at::linear(x.to(at::kFloat), *w[s + 7], bias_f).to(x.scalar_type());
   }
   return at::linear(x, *w[s], bias);
 }
