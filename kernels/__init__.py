@@ -47,18 +47,34 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     return _impl(q.device).paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out=out)
 
 
-AMX_MAX_ROWS = 64   # packed kernels up to this many rows: on AMX 1.2-5x oneDNN at 1-64, on par or slower from ~96
+AMX_MAX_ROWS = 64   # bf16 packed kernels up to this many rows: on AMX 1.2-5x oneDNN at 1-64, on par or slower from ~96
+FP16_MAX_WEIGHT = 2.0 ** 14   # fp16 tiles only for weights well inside fp16's range (65504); others keep bf16
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [N, K] in the tile order of `linear` (kernels/csrc/amx_linear.cpp), or None where that kernel does not
-    apply: not bf16 on the CPU, neither AMX nor AVX-512 BF16 (or `RTSERVE_AMX=0`), or N or K not a multiple of 32."""
+    apply: not bf16 on the CPU, no packed kernel (or `RTSERVE_AMX=0`), or N or K not a multiple of 32.
+
+    The tiles are bf16 (AMX, or fp32 FMAs on AVX-512 BF16), or fp16 on an AVX-512 FP16 CPU without AMX, where fp16
+    FMAs run at twice the fp32 rate; bf16 values convert to fp16 exactly unless they are below 2^-14 (subnormal in
+    fp16: below 2^-24 they flush to zero), which changes such a weight by less than 3e-8."""
     n, k = weight.shape
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or n % 32 or k % 32 or packed_isa() is None:
+    isa = packed_isa() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
+    if isa is None or n % 32 or k % 32:
         return None
-    # [N, K] -> [N/32 column blocks, K/32 k blocks, 2 tiles of 16 columns, 16 k pairs, 16 columns x 2 k]
-    return weight.detach().view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(
-        n // 32, k // 32, 2, 16, 32).contiguous()
+    w = weight.detach()
+    if isa == "avx512fp16":
+        if not bool(w.abs().max() < FP16_MAX_WEIGHT):
+            return None
+        w = w.half()
+    return tile_order(w)
+
+
+def tile_order(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/32 column blocks, K/32 k blocks, 2 tiles of 16 columns, 16 k pairs, 16 columns x 2 k]."""
+    n, k = w.shape
+    return w.view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(n // 32, k // 32, 2, 16, 32) \
+        .contiguous()
 
 
 def pack_wide_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -73,24 +89,24 @@ def pack_wide_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, wide: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias; decode-sized bf16 batches go to the packed kernel (AMX tiles, or fp32 FMAs on an AVX-512
-    CPU without AMX) when `packed` (from pack_linear_weight) is given, larger ones to MKL's fp32 GEMM when `wide`
-    (from pack_wide_weight) is, everything else to torch (oneDNN)."""
-    if x.dim() == 2 and x.shape[0] <= AMX_MAX_ROWS:
-        if packed is not None:
-            return cpu_ext.ops().amx_linear(x, packed, bias)
-    elif wide is not None:
+    """x @ weight.T + bias; bf16 batches go to the packed kernel when `packed` (from pack_linear_weight) is given: fp16
+    tiles at any size, bf16 ones (AMX, or fp32 FMAs on an AVX-512 CPU without AMX) at decode sizes; larger ones to
+    MKL's fp32 GEMM when `wide` (from pack_wide_weight) is, everything else to torch (oneDNN)."""
+    if x.dim() == 2 and packed is not None and (packed.dtype == torch.float16 or x.shape[0] <= AMX_MAX_ROWS):
+        return cpu_ext.ops().amx_linear(x, packed, bias)
+    if x.dim() == 2 and x.shape[0] > AMX_MAX_ROWS and wide is not None:
         return torch.nn.functional.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
     return torch.nn.functional.linear(x, weight, bias)
 
 
-_ISAS = {1: "avx512", 2: "amx"}
+_ISAS = {1: "avx512", 2: "amx", 3: "avx512fp16"}
 
 
 def packed_isa() -> str | None:
-    """Which instruction set runs the packed bf16 kernels (`linear`, `linear_gguf`): "amx" (AMX tiles), "avx512" (fp32
-    FMAs on the same packed weights, for AVX-512 BF16 CPUs without AMX), or None: no such CPU, the C++ ops not built,
-    or switched off (`RTSERVE_AMX=0`, for A/B runs)."""
+    """Which instruction set runs the packed kernels (`linear`, `linear_gguf`): "amx" (bf16 AMX tiles), "avx512fp16"
+    (fp16 FMAs on fp16 tiles, for AVX-512 FP16 CPUs without AMX), "avx512" (fp32 FMAs on bf16 tiles, for AVX-512
+    BF16 CPUs with neither), or None: no such CPU, the C++ ops not built, or switched off (`RTSERVE_AMX=0`, for A/B
+    runs)."""
     if os.environ.get("RTSERVE_AMX", "1") == "0":
         return None
     lib = cpu_ext.ops()
@@ -116,8 +132,10 @@ def pack_gguf_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def linear_gguf(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias on packed GGUF blocks (bf16 x). Each weight is dequantized in fp32 and rounded to bf16
-    exactly as the dense bf16 model's weight was, so the result equals `linear` on that dense weight."""
+    """x @ W.T + bias on packed GGUF blocks (bf16 x). With bf16 tiles (AMX, or AVX-512 without FP16) each weight is
+    dequantized in fp32 and rounded to bf16 exactly as the dense bf16 model's weight was, so the result equals
+    `linear` on that dense weight; on an AVX-512 FP16 CPU it is the file's weight rounded once to fp16 (3 bits more
+    than bf16), and the result equals `linear` on fp16 tiles of those weights, at any number of rows."""
     return cpu_ext.ops().amx_linear_gguf(x, qs, dm, bias)
 
 

@@ -3,6 +3,7 @@
 The 4-bit planes and the AMX blocks must be the file's weights (checked layer by layer against the dense weights the model loads), decode steps
 on them must stay as close to HF transformers' bf16 as our dense bf16 path is, and a model the path cannot serve must fail
 with a typed error."""
+import numpy as np
 import pytest
 import torch
 
@@ -31,27 +32,51 @@ def test_every_quantized_layer_is_the_files_weight():
         assert err.mean().item() < 1e-3
 
 
+def _file_weight_fp16(*names: str) -> torch.Tensor:
+    """The GGUF file's weights for these tensors (stacked as our fused layers stack them), exact in float64 and rounded
+    once to fp16: what the packed kernel multiplies by on an AVX-512 FP16 CPU."""
+    tensors = gguf_q4.cached_gguf_blocks(default_model_path(), resolve_model_dir(None))
+    blocks = {key.split(":", 1)[1]: raw for key, raw in tensors.items()}
+    b = gguf_q4.read_q4_1(np.concatenate([blocks[name] for name in names]))
+    w = b.d.astype(np.float64).repeat(32, 1) * b.q + b.m.astype(np.float64).repeat(32, 1)
+    return torch.from_numpy(w.astype(np.float16))
+
+
 def test_the_packed_kernel_multiplies_by_exactly_the_dense_weights():
     model = load_model(resolve_model_dir(None), torch.bfloat16, torch.device("cpu"))
     attach_gguf_q4(model, default_model_path(), resolve_model_dir(None))
     layers = [m for m in model.modules() if isinstance(m, Q4Linear)]
     assert all(lin.amx is not None for lin in layers)       # AMX or AVX-512 (this machine and CI): blocks packed
     for lin in layers[:4] + layers[-5:]:                    # the first and last layers, and the Q8_0 lm_head
-        assert torch.equal(lin.dequantized_amx(), lin.weight.detach())
+        got, dense = lin.dequantized_amx(), lin.weight.detach()
+        if kernels.packed_isa() != "avx512fp16":
+            assert torch.equal(got, dense)
+        else:   # fp16(w) seen through a bf16 output: bf16(w), or one bf16 step off where the fp16 value is a tie
+            step = dense.float().abs() * 2 ** -7   # (~1 in 8 fp16 values is a bf16 midpoint: 2-6 % of these layers)
+            assert ((got.float() - dense.float()).abs() <= step).all()
+    if kernels.packed_isa() == "avx512fp16":   # and bit for bit: the fp16 kernel on the file's weights, fp16-rounded
+        lin = model.layers[3].mlp.gate_up_proj
+        w16 = _file_weight_fp16("blk.3.ffn_gate.weight", "blk.3.ffn_up.weight")
+        x = torch.randn(9, w16.shape[1], dtype=torch.bfloat16)
+        assert torch.equal(lin(x), torch.ops.rtserve_cpu.amx_linear(x, kernels.tile_order(w16), None))
 
 
 def test_each_batch_size_takes_its_kernel():
     model = load_model(resolve_model_dir(None), torch.bfloat16, torch.device("cpu"))
     attach_gguf_q4(model, default_model_path(), resolve_model_dir(None))
     lin = model.layers[3].mlp.gate_up_proj
-    packed = kernels.pack_linear_weight(lin.weight)
+    fp16 = kernels.packed_isa() == "avx512fp16"
+    packed = kernels.pack_linear_weight(lin.weight) if not fp16 else \
+        kernels.tile_order(_file_weight_fp16("blk.3.ffn_gate.weight", "blk.3.ffn_up.weight"))
     int4_max_rows = gguf_q4.INT4_MAX_ROWS[kernels.packed_isa()]
     assert lin.int4_max_rows == int4_max_rows and model.lm_head.int4_max_rows == 0   # the lm_head: always packed
     for rows in (1, int4_max_rows, int4_max_rows + 1, 32, kernels.AMX_MAX_ROWS, kernels.AMX_MAX_ROWS + 1):
         x = torch.randn(rows, lin.weight.shape[1], dtype=torch.bfloat16)
         dense = torch.nn.functional.linear(x, lin.weight)
         y = lin(x)
-        if rows > kernels.AMX_MAX_ROWS:                                    # prefill / big batches: dense bf16 ...
+        if rows > int4_max_rows and fp16:                                  # fp16 FMAs at every size ...
+            assert torch.equal(y, torch.ops.rtserve_cpu.amx_linear(x, packed, None))   # ... on the file's weights
+        elif rows > kernels.AMX_MAX_ROWS:                                  # prefill / big batches: dense bf16 ...
             if kernels.packed_isa() == "avx512":                           # ... in MKL's fp32 GEMM, rounded once
                 dense = torch.nn.functional.linear(x.float(), lin.weight.float()).bfloat16()
             assert torch.equal(y, dense)

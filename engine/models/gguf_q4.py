@@ -35,7 +35,7 @@ from engine.errors import ModelLoadError
 GROUP = 32            # Q4_1 and Q8_0 block size; also the kernel's group size
 # torch's 4-bit kernel up to this many rows, by the ISA of the packed kernel (kernels.packed_isa): with no packed
 # kernel 2x dense bf16 at 1 row, 1.07x at 8; AMX is as fast from ~4 rows and faster from 8; AVX-512 FMAs from ~8
-INT4_MAX_ROWS = {None: 8, "amx": 2, "avx512": 4}
+INT4_MAX_ROWS = {None: 8, "amx": 2, "avx512": 4, "avx512fp16": 3}
 _Q4_1_BYTES = 20      # per block: fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BYTES = 34      # per block: fp16 d, 32 int8
 
@@ -70,6 +70,7 @@ class Q4Linear(nn.Module):
             self.amx = blocks.pack_amx()
         self.wide = kernels.pack_wide_weight(self.weight)   # prefill-sized batches without AMX
         self.planes = blocks.planes(self.weight.dtype)
+        self.amx_any_rows = isa == "avx512fp16"   # fp16 FMAs beat MKL's fp32 GEMM at prefill sizes too
         self.int4_max_rows = INT4_MAX_ROWS[isa]
         if self.amx is not None and len(self.planes) > 1:
             self.int4_max_rows = 0   # Q8_0 (lm_head): its two 4-bit passes lose to the packed kernel at every size
@@ -77,7 +78,7 @@ class Q4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows > self.int4_max_rows:
-            if self.amx is not None and rows <= kernels.AMX_MAX_ROWS:
+            if self.amx is not None and (rows <= kernels.AMX_MAX_ROWS or self.amx_any_rows):
                 return kernels.linear_gguf(x, *self.amx, self.bias)
             return kernels.linear(x, self.weight, self.bias, None, self.wide)
         x = x.contiguous()

@@ -20,6 +20,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 at::Tensor amx_linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm,
                            const c10::optional<at::Tensor>& bias);
+int64_t packed_isa();
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
                   const at::Tensor& seqs, double scale, at::Tensor out);
@@ -42,10 +43,13 @@ at::Tensor linear(const at::Tensor& x, const Slots& w, int64_t s, int64_t int4_m
     at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.contiguous(), *w[s + 5], kInt4Group, *w[s + 6]);
     return bias ? y + *bias : y;
   }
-  if (rows <= kAmxMaxRows) {
+  static const bool fp16 = packed_isa() == 3;   // fp16 packed kernels take every row count
+  if (rows <= kAmxMaxRows || fp16) {
     if (has(w, s + 3)) return amx_linear_gguf(x, *w[s + 3], *w[s + 4], bias);
-    if (has(w, s + 2)) return amx_linear(x, *w[s + 2], bias);
-  } else if (has(w, s + 7)) {   // kernels.linear's `wide` path: MKL's fp32 GEMM, rounded once to bf16
+    if (has(w, s + 2) && (rows <= kAmxMaxRows || w[s + 2]->scalar_type() == at::kHalf))
+      return amx_linear(x, *w[s + 2], bias);
+  }
+  if (rows > kAmxMaxRows && has(w, s + 7)) {   // kernels.linear's `wide` path: MKL's fp32 GEMM, rounded once to bf16
     const c10::optional<at::Tensor> bias_f = bias ? c10::optional<at::Tensor>(bias->to(at::kFloat)) : c10::nullopt;
     return at::linear(x.to(at::kFloat), *w[s + 7], bias_f).to(x.scalar_type());
   }
