@@ -320,18 +320,23 @@ constexpr int64_t kFlushKB = 4;
 constexpr int kFp16Rows = 12;   // rows per pass: 24 accumulators, 2 weight vectors, broadcasts
 
 struct Fp16Rows {
-  at::Tensor a, inv;           // x as fp16 [M, K] scaled per row; 1 / scale per row (fp32)
+  at::Tensor a, inv;           // x as fp16 k pairs in panels of kFp16Rows rows (see prepare_fp16); 1 / scale per row
 };
 
+// x [M, K] bf16 -> scaled fp16, as panels of kFp16Rows rows: panel p holds, for each k pair j, the 32-bit pairs of its
+// rows side by side ([ceil(M / 12)][K / 2][12] uint32), so the kernel's 12 broadcasts per k pair read one 48-byte run
+// instead of 12 rows K apart (measured 1.2-1.3x on 516-row GEMMs against row-major x).
 Fp16Rows prepare_fp16(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M = x.size(0), K = x.size(1), panels = (M + kFp16Rows - 1) / kFp16Rows;
   const at::Tensor xc = x.contiguous();
-  Fp16Rows p{at::empty({M, K}, x.options().dtype(at::kHalf)), at::empty({M}, x.options().dtype(at::kFloat))};
+  Fp16Rows p{at::empty({panels * kFp16Rows * K}, x.options().dtype(at::kHalf)),
+             at::empty({M}, x.options().dtype(at::kFloat))};
   const auto* src = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  auto* dst = reinterpret_cast<uint16_t*>(p.a.data_ptr<at::Half>());
+  auto* dst = reinterpret_cast<uint32_t*>(p.a.data_ptr<at::Half>());
   float* inv = p.inv.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::unique_ptr<uint16_t[]> row(new uint16_t[K]);
+    for (int64_t r = p0 * kFp16Rows; r < std::min(M, p1 * kFp16Rows); ++r) {
       const uint16_t* s = src + r * K;
       __m512 mx = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 16) {
@@ -348,19 +353,22 @@ Fp16Rows prepare_fp16(const at::Tensor& x) {
       for (int64_t k = 0; k < K; k += 16) {
         const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + k))), 16));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * K + k),
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.get() + k),
                             _mm512_cvtps_ph(_mm512_mul_ps(v, sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       }
+      uint32_t* panel = dst + r / kFp16Rows * kFp16Rows * (K / 2) + r % kFp16Rows;
+      const auto* pairs = reinterpret_cast<const uint32_t*>(row.get());
+      for (int64_t j = 0; j < K / 2; ++j) panel[j * kFp16Rows] = pairs[j];
     }
   });
   return p;
 }
 
-// R rows of fp16 x (row stride K) times one fp16 column block (KB tile pairs at wb) into c[0..R): per row 64 fp32
-// lanes, (even k, odd k) pairs of columns 0-7, 8-15 (tile 0), 16-23, 24-31 (tile 1). Below 4 rows alternate k pairs
-// accumulate apart, so the FMA pipes do not wait on a chain's latency.
+// R rows of one x panel (`P`, see prepare_fp16) times one fp16 column block (KB tile pairs at wb) into c[0..R): per
+// row 64 fp32 lanes, (even k, odd k) pairs of columns 0-7, 8-15 (tile 0), 16-23, 24-31 (tile 1). Below 4 rows
+// alternate k pairs accumulate apart, so the FMA pipes do not wait on a chain's latency.
 template <int R>
-inline void fma16_rows(const uint16_t* X, int64_t K, const uint16_t* wb, int64_t KB, float (*c)[64]) {
+inline void fma16_rows(const uint32_t* P, const uint16_t* wb, int64_t KB, float (*c)[64]) {
   constexpr int S = R < 4 ? 2 : 1;
   __m512h acc[R][2][S];
   __m512 sum[R][4];
@@ -373,15 +381,13 @@ inline void fma16_rows(const uint16_t* X, int64_t K, const uint16_t* wb, int64_t
     const int64_t kb1 = std::min<int64_t>(KB, kb0 + kFlushKB);
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const uint16_t* w = wb + kb * kBlockElems;
-      const uint16_t* x = X + kb * kTileK;
+      const uint32_t* x = P + kb * 16 * kFp16Rows;
 #pragma GCC unroll 16
       for (int r = 0; r < 16; ++r) {
         const __m512h w0 = _mm512_castsi512_ph(_mm512_loadu_si512(w + 32 * r));
         const __m512h w1 = _mm512_castsi512_ph(_mm512_loadu_si512(w + 512 + 32 * r));
         for (int i = 0; i < R; ++i) {
-          int32_t pair;
-          std::memcpy(&pair, x + i * K + 2 * r, 4);
-          const __m512h a = _mm512_castsi512_ph(_mm512_set1_epi32(pair));
+          const __m512h a = _mm512_castsi512_ph(_mm512_set1_epi32(static_cast<int>(x[r * kFp16Rows + i])));
           acc[i][0][r % S] = _mm512_fmadd_ph(a, w0, acc[i][0][r % S]);
           acc[i][1][r % S] = _mm512_fmadd_ph(a, w1, acc[i][1][r % S]);
         }
@@ -419,25 +425,25 @@ inline void write_rows16(const float (*c)[64], int64_t rows, const float* inv, c
 }
 
 // y[:, nb*32 : nb*32+32] for all M rows, kFp16Rows at a time; the column block stays in L1/L2 between passes.
-inline void fma16_block(const uint16_t* A, const float* inv, int64_t M, int64_t K, const uint16_t* wb, int64_t KB,
+inline void fma16_block(const uint32_t* A, const float* inv, int64_t M, int64_t K, const uint16_t* wb, int64_t KB,
                         const float* bias, int64_t nb, uint16_t* Y, int64_t N) {
   alignas(64) float c[kFp16Rows][64];
   for (int64_t m = 0; m < M; m += kFp16Rows) {
     const int64_t rows = std::min<int64_t>(kFp16Rows, M - m);
-    const uint16_t* x = A + m * K;
+    const uint32_t* x = A + m * (K / 2);   // panel m / 12
     switch (rows) {
-      case 12: fma16_rows<12>(x, K, wb, KB, c); break;
-      case 11: fma16_rows<11>(x, K, wb, KB, c); break;
-      case 10: fma16_rows<10>(x, K, wb, KB, c); break;
-      case 9: fma16_rows<9>(x, K, wb, KB, c); break;
-      case 8: fma16_rows<8>(x, K, wb, KB, c); break;
-      case 7: fma16_rows<7>(x, K, wb, KB, c); break;
-      case 6: fma16_rows<6>(x, K, wb, KB, c); break;
-      case 5: fma16_rows<5>(x, K, wb, KB, c); break;
-      case 4: fma16_rows<4>(x, K, wb, KB, c); break;
-      case 3: fma16_rows<3>(x, K, wb, KB, c); break;
-      case 2: fma16_rows<2>(x, K, wb, KB, c); break;
-      default: fma16_rows<1>(x, K, wb, KB, c); break;
+      case 12: fma16_rows<12>(x, wb, KB, c); break;
+      case 11: fma16_rows<11>(x, wb, KB, c); break;
+      case 10: fma16_rows<10>(x, wb, KB, c); break;
+      case 9: fma16_rows<9>(x, wb, KB, c); break;
+      case 8: fma16_rows<8>(x, wb, KB, c); break;
+      case 7: fma16_rows<7>(x, wb, KB, c); break;
+      case 6: fma16_rows<6>(x, wb, KB, c); break;
+      case 5: fma16_rows<5>(x, wb, KB, c); break;
+      case 4: fma16_rows<4>(x, wb, KB, c); break;
+      case 3: fma16_rows<3>(x, wb, KB, c); break;
+      case 2: fma16_rows<2>(x, wb, KB, c); break;
+      default: fma16_rows<1>(x, wb, KB, c); break;
     }
     write_rows16(c, rows, inv + m, bias, nb, Y + m * N, N);
   }
@@ -551,7 +557,7 @@ at::Tensor fp16_gemm(const at::Tensor& x, int64_t NB, int64_t KB, const c10::opt
     b = bias_f.data_ptr<float>();
   }
   const Fp16Rows rows = prepare_fp16(x);
-  const auto* A = reinterpret_cast<const uint16_t*>(rows.a.data_ptr<at::Half>());
+  const auto* A = reinterpret_cast<const uint32_t*>(rows.a.data_ptr<at::Half>());
   const float* inv = rows.inv.data_ptr<float>();
   auto* Y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
