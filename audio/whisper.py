@@ -236,7 +236,7 @@ class WhisperModel:
         # convolutions run slower than fp32 ones (one thread, a 3 s clip: 114 ms bf16 against 72 ms fp32, measured),
         # so there the encoder runs in fp32 and hands the decoder bf16 states.
         self.encoder_dtype = dtype
-        if dtype == torch.bfloat16 and pack and kernels.packed_isa() == "avx512":
+        if dtype == torch.bfloat16 and pack and kernels.packed_isa() in ("avx512", "avx512fp16"):
             model.model.encoder.float()
             self.encoder_dtype = torch.float32
 
