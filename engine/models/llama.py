@@ -27,10 +27,11 @@ class AttentionMetadata:
 
 class Linear(nn.Linear):
     """nn.Linear that can carry copies of its weight (`pack`): in the packed kernel's tile order, for decode-sized bf16
-    batches on the CPU, and, without AMX, in fp32 for prefill-sized ones (kernels.linear)."""
+    batches on the CPU (fp16 tiles for every size on an AVX-512 FP16 CPU without AMX), and, on AVX-512 BF16 without
+    AMX or FP16, in fp32 for prefill-sized ones (kernels.linear)."""
 
     packed: torch.Tensor | None = None
-    wide: torch.Tensor | None = None      # fp32 copy for prefill-sized batches on an AVX-512 CPU without AMX
+    wide: torch.Tensor | None = None      # fp32 copy for prefill-sized batches on AVX-512 BF16 (no AMX, no FP16)
 
     def pack(self) -> None:
         self.packed = kernels.pack_linear_weight(self.weight)
@@ -209,8 +210,9 @@ class LlamaForCausalLM(nn.Module):
         return weights + [self.norm.weight], limits.pop() if limits else 0
 
     def pack_weights(self) -> int:
-        """Give every linear layer its packed copy (bf16 on an AMX or AVX-512 BF16 CPU; a no-op elsewhere), and its
-        fp32 one where there is no AMX; returns how many got a packed copy."""
+        """Give every linear layer its packed copy (bf16 tiles on an AMX or AVX-512 BF16 CPU, fp16 ones on AVX-512
+        FP16 without AMX; a no-op elsewhere), and its fp32 one on AVX-512 BF16 without either; returns how many got a
+        packed copy."""
         self._stack = None
         packed = 0
         for module in self.modules():
