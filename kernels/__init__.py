@@ -48,7 +48,9 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
 
 
 AMX_MAX_ROWS = 64   # bf16 packed kernels up to this many rows: on AMX 1.2-5x oneDNN at 1-64, on par or slower from ~96
-FP16_MAX_WEIGHT = 2.0 ** 14   # fp16 tiles only for weights well inside fp16's range (65504); others keep bf16
+# fp16 tiles only for weights below this magnitude (others stay with torch): x is scaled to at most 16, so 64 products
+# of a lane's partial sum stay below 64 * 16 * 32 = 32768 < 65504 (fp16's largest) however their signs fall
+FP16_MAX_WEIGHT = 32.0
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -57,7 +59,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
     The tiles are bf16 (AMX, or fp32 FMAs on AVX-512 BF16), or fp16 on an AVX-512 FP16 CPU without AMX, where fp16
     FMAs run at twice the fp32 rate; bf16 values convert to fp16 exactly unless they are below 2^-14 (subnormal in
-    fp16: below 2^-24 they flush to zero), which changes such a weight by less than 3e-8."""
+    fp16: below 2^-24 they flush to zero), which changes such a weight by less than 3e-8. A weight matrix with an
+    entry of magnitude FP16_MAX_WEIGHT or more is not packed there (SmolLM2-135M's largest is 9.25)."""
     n, k = weight.shape
     isa = packed_isa() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
     if isa is None or n % 32 or k % 32:

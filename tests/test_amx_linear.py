@@ -36,7 +36,7 @@ def test_packed_kernel_is_used_on_this_machine():
     packed = kernels.pack_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16))
     assert packed.dtype == (torch.float16 if expected == "avx512fp16" else torch.bfloat16)
     if expected == "avx512fp16":           # a weight near fp16's range stays with torch
-        assert kernels.pack_linear_weight(torch.full((64, 64), 2.0 ** 15, dtype=torch.bfloat16)) is None
+        assert kernels.pack_linear_weight(torch.full((64, 64), kernels.FP16_MAX_WEIGHT, dtype=torch.bfloat16)) is None
     # what the kernel cannot take is left to torch
     assert kernels.pack_linear_weight(torch.zeros(64, 64)) is None                       # fp32
     assert kernels.pack_linear_weight(torch.zeros(48, 64, dtype=torch.bfloat16)) is None  # N not a multiple of 32
@@ -59,6 +59,24 @@ def test_packed_linear_matches_fp32_reference(rows, n, k):
         err = (y.double() - ref).abs() - ref.abs() * 2 ** -8
         assert err.max().item() < (3e-3 if packed.dtype == torch.float16 else 1e-3) * ref.abs().max().item()
         assert torch.allclose(y.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_packed_linear_keeps_range_and_precision_of_extreme_rows():
+    """Rows far outside fp16's range (1e6, past 65504), tiny ones (1e-6, subnormal in fp16) and weights near the
+    packing limit: the fp16 kernel scales each row by a power of two, so each row is as accurate as a normal one."""
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(256, 1536, generator=gen) * 4).clamp(-31, 31).bfloat16()
+    x = torch.randn(5, 1536, generator=gen)
+    x = (x * torch.tensor([[1e6], [1.0], [1e-6], [3e4], [1.0]])).bfloat16()
+    x[4, 7] = 5e4                                              # one outlier in an otherwise normal row
+    packed = kernels.pack_linear_weight(w)
+    assert packed is not None
+    y = kernels.linear(x, w, None, packed).double()
+    ref = x.double() @ w.double().T
+    assert torch.isfinite(y).all()
+    for row in range(5):
+        err = ((y[row] - ref[row]).abs() - ref[row].abs() * 2 ** -8).max() / ref[row].abs().max()
+        assert err < 3e-3, (row, err.item())
 
 
 def test_packed_linear_leaves_large_batches_to_torch():
