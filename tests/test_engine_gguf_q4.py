@@ -70,7 +70,8 @@ def test_each_batch_size_takes_its_kernel():
         kernels.tile_order(_file_weight_fp16("blk.3.ffn_gate.weight", "blk.3.ffn_up.weight"))
     int4_max_rows = gguf_q4.INT4_MAX_ROWS[kernels.packed_isa()]
     assert lin.int4_max_rows == int4_max_rows and model.lm_head.int4_max_rows == 0   # the lm_head: always packed
-    for rows in (1, int4_max_rows, int4_max_rows + 1, 32, kernels.AMX_MAX_ROWS, kernels.AMX_MAX_ROWS + 1):
+    for rows in sorted({1, max(int4_max_rows, 1), int4_max_rows + 1, 12, 13, 32, kernels.AMX_MAX_ROWS,
+                        kernels.AMX_MAX_ROWS + 1}):                  # 12 / 13: the ring and the buffer (fp16)
         x = torch.randn(rows, lin.weight.shape[1], dtype=torch.bfloat16)
         dense = torch.nn.functional.linear(x, lin.weight)
         y = lin(x)

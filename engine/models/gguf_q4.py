@@ -18,9 +18,11 @@ model, bf16 activations; docs/benchmarks.md):
 
 Prefill chunks and larger batches keep the dense bf16 weights (oneDNN on AMX; without AMX, MKL's fp32 GEMM on an fp32
 copy, `kernels.pack_wide_weight`). On an AVX-512 FP16 CPU without AMX ("avx512fp16") the packed kernel runs as fp16
-FMAs on blocks dequantized to fp16 and takes every batch above INT4_MAX_ROWS, prefill included: all 120 body layers
-6.2 / 6.7 / 8.1 / 12.6 / 18.8 ms at 1 / 4 / 8 / 16 / 32 rows (4-bit kernel 4.8 / 6.9 / 13.2 / 25.0 ms at 1 / 4 / 8 /
-16), 216 ms at 512 rows against ~375 for MKL's fp32 GEMM (one process, medians of 7).
+FMAs on blocks dequantized to fp16 and takes every batch size, prefill included. Up to 12 rows (one pass over the rows)
+each tile pair is dequantized into a 2-slot L1 ring right before use; above, a column block is dequantized once into a
+K-long buffer. All 120 body layers, interleaved runs of the ring against the buffer: 3.9-5.1 / 4.7-6.9 / 6.3-8.6 /
+8.4-8.6 ms at 1 / 4 / 8 / 12 rows against 6.8-7.2 / 6.6-7.5 / 8.3-9.2 / 9.4-13.0 (4-bit kernel 3.8-5.5 / 7.3-8.8 /
+11.9-15.8 / 18.5-19.9 ms); buffered 18.8 ms at 32 rows, 216 ms at 512 rows against ~375 for MKL's fp32 GEMM.
 """
 from __future__ import annotations
 
@@ -38,8 +40,9 @@ from engine.errors import ModelLoadError
 GROUP = 32            # Q4_1 and Q8_0 block size; also the kernel's group size
 # torch's 4-bit kernel up to this many rows, by the ISA of the packed kernel (kernels.packed_isa): with no packed
 # kernel 2x dense bf16 at 1 row, 1.07x at 8; AMX is as fast from ~4 rows and faster from 8; AVX-512 FMAs from ~8;
-# fp16 FMAs as fast at 4 rows (6.7 against 6.9 ms for all body layers) and faster from there
-INT4_MAX_ROWS = {None: 8, "amx": 2, "avx512": 4, "avx512fp16": 3}
+# fp16 FMAs on blocks dequantized into an L1 ring as fast at 1 row (3.9-5.1 against 3.8-5.5 ms for all body layers,
+# three interleaved runs) and faster from 2, so there the 4-bit kernel is not used
+INT4_MAX_ROWS = {None: 8, "amx": 2, "avx512": 4, "avx512fp16": 0}
 _Q4_1_BYTES = 20      # per block: fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BYTES = 34      # per block: fp16 d, 32 int8
 

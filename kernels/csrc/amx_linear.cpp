@@ -367,8 +367,8 @@ Fp16Rows prepare_fp16(const at::Tensor& x) {
 // R rows of one x panel (`P`, see prepare_fp16) times one fp16 column block (KB tile pairs at wb) into c[0..R): per
 // row 64 fp32 lanes, (even k, odd k) pairs of columns 0-7, 8-15 (tile 0), 16-23, 24-31 (tile 1). Below 4 rows
 // alternate k pairs accumulate apart, so the FMA pipes do not wait on a chain's latency.
-template <int R>
-inline void fma16_rows(const uint32_t* P, const uint16_t* wb, int64_t KB, float (*c)[64]) {
+template <int R, typename Tiles>
+inline void fma16_rows(const uint32_t* P, const Tiles& tiles, int64_t KB, float (*c)[64]) {
   constexpr int S = R < 4 ? 2 : 1;
   __m512h acc[R][2][S];
   __m512 sum[R][4];
@@ -380,7 +380,7 @@ inline void fma16_rows(const uint32_t* P, const uint16_t* wb, int64_t KB, float 
         for (int s = 0; s < S; ++s) acc[i][j][s] = _mm512_setzero_ph();
     const int64_t kb1 = std::min<int64_t>(KB, kb0 + kFlushKB);
     for (int64_t kb = kb0; kb < kb1; ++kb) {
-      const uint16_t* w = wb + kb * kBlockElems;
+      const uint16_t* w = tiles(kb);
       const uint32_t* x = P + kb * 16 * kFp16Rows;
 #pragma GCC unroll 16
       for (int r = 0; r < 16; ++r) {
@@ -425,7 +425,8 @@ inline void write_rows16(const float (*c)[64], int64_t rows, const float* inv, c
 }
 
 // y[:, nb*32 : nb*32+32] for all M rows, kFp16Rows at a time; the column block stays in L1/L2 between passes.
-inline void fma16_block(const uint32_t* A, const float* inv, int64_t M, int64_t K, const uint16_t* wb, int64_t KB,
+template <typename Tiles>
+inline void fma16_block(const uint32_t* A, const float* inv, int64_t M, int64_t K, const Tiles& wb, int64_t KB,
                         const float* bias, int64_t nb, uint16_t* Y, int64_t N) {
   alignas(64) float c[kFp16Rows][64];
   for (int64_t m = 0; m < M; m += kFp16Rows) {
@@ -481,6 +482,26 @@ inline void dequant_q8_0_fp16(const uint8_t* qs, const at::Half* dm, uint16_t* o
     }
   }
 }
+// Where fma16_rows gets column block nb's fp16 tile pair kb: packed fp16 weights or a dequantized buffer (`base`),
+// or GGUF blocks dequantized right before use into a 2-slot ring, which stays in L1. The ring is for a single pass
+// over the rows (M <= kFp16Rows): there a K-long buffer would be written once and read once, through L2 at K = 1536.
+struct Fp16Tiles {
+  const uint16_t* base = nullptr;
+  const uint8_t* q = nullptr;
+  const at::Half* d = nullptr;
+  int64_t q_block = 0, d_block = 0;
+  bool q4 = true;
+  uint16_t* ring = nullptr;
+  const uint16_t* operator()(int64_t kb) const {
+    if (base) return base + kb * kBlockElems;
+    uint16_t* slot = ring + (kb & 1) * kBlockElems;
+    if (q4)
+      dequant_q4_1_fp16(q + kb * q_block, d + kb * d_block, slot);
+    else
+      dequant_q8_0_fp16(q + kb * q_block, d + kb * d_block, slot);
+    return slot;
+  }
+};
 #endif  // RTSERVE_FP16
 
 struct Prepared {
@@ -539,8 +560,9 @@ int64_t packed_isa() { return packed_isa_impl(); }
 
 #ifdef RTSERVE_FP16
 namespace {
-// Shared by both fp16 entry points: x to fp16 rows, then `block(nb, buf)` hands back column block nb's fp16 tiles
-// (the packed weight itself, or GGUF blocks dequantized into the thread's K-long buffer) for fma16_block.
+// Shared by both fp16 entry points: x to fp16 rows, then `block(nb, M, buf)` hands back where column block nb's fp16
+// tiles come from (Fp16Tiles: the packed weight, GGUF blocks dequantized into the thread's K-long buffer, or into
+// its ring) for fma16_block.
 template <typename Block>
 at::Tensor fp16_gemm(const at::Tensor& x, int64_t NB, int64_t KB, const c10::optional<at::Tensor>& bias,
                      bool needs_buffer, Block block) {
@@ -561,9 +583,9 @@ at::Tensor fp16_gemm(const at::Tensor& x, int64_t NB, int64_t KB, const c10::opt
   const float* inv = rows.inv.data_ptr<float>();
   auto* Y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
-    std::unique_ptr<uint16_t[]> buf(needs_buffer ? new uint16_t[KB * kBlockElems] : nullptr);
+    std::unique_ptr<uint16_t[]> buf(needs_buffer ? new uint16_t[std::max<int64_t>(KB, 2) * kBlockElems] : nullptr);
     for (int64_t nb = nb0; nb < nb1; ++nb)
-      fma16_block(A, inv, M, K, block(nb, buf.get()), KB, b, nb, Y, N);
+      fma16_block(A, inv, M, K, block(nb, M, buf.get()), KB, b, nb, Y, N);
   });
   return out;
 }
@@ -580,7 +602,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 #ifdef RTSERVE_FP16
     TORCH_CHECK(packed_isa_impl() == 3, "amx_linear: fp16 weights need an AVX-512 FP16 CPU");
     const auto* W = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>());
-    return fp16_gemm(x, NB, KB, bias, false, [&](int64_t nb, uint16_t*) { return W + nb * KB * kBlockElems; });
+    return fp16_gemm(x, NB, KB, bias, false, [&](int64_t nb, int64_t, uint16_t*) {
+      Fp16Tiles t;
+      t.base = W + nb * KB * kBlockElems;
+      return t;
+    });
 #else
     TORCH_CHECK(false, "amx_linear: this build has no AVX-512 FP16 kernel");
 #endif
@@ -628,16 +654,24 @@ at::Tensor amx_linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::
     const auto* Q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
     const auto* D = dm.data_ptr<at::Half>();
     const int64_t q_block = q4 ? 512 : 1024, d_block = q4 ? 64 : 32;
-    return fp16_gemm(x, NB, KB, bias, true, [&](int64_t nb, uint16_t* buf) {
-      const uint8_t* q = Q + nb * KB * q_block;
-      const at::Half* d = D + nb * KB * d_block;
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        if (q4)
-          dequant_q4_1_fp16(q + kb * q_block, d + kb * d_block, buf + kb * kBlockElems);
-        else
-          dequant_q8_0_fp16(q + kb * q_block, d + kb * d_block, buf + kb * kBlockElems);
+    return fp16_gemm(x, NB, KB, bias, true, [&](int64_t nb, int64_t M, uint16_t* buf) {
+      Fp16Tiles t;
+      t.q = Q + nb * KB * q_block;
+      t.d = D + nb * KB * d_block;
+      t.q_block = q_block;
+      t.d_block = d_block;
+      t.q4 = q4;
+      t.ring = buf;
+      if (M > kFp16Rows) {   // several passes over the rows: dequantize the block once
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          if (q4)
+            dequant_q4_1_fp16(t.q + kb * q_block, t.d + kb * d_block, buf + kb * kBlockElems);
+          else
+            dequant_q8_0_fp16(t.q + kb * q_block, t.d + kb * d_block, buf + kb * kBlockElems);
+        }
+        t.base = buf;
       }
-      return static_cast<const uint16_t*>(buf);
+      return t;
     });
   }
 #endif
