@@ -82,7 +82,7 @@ def tile_order(w: torch.Tensor) -> torch.Tensor:
 
 def pack_wide_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """An fp32 copy of a bf16 CPU weight for batches above AMX_MAX_ROWS (prefill chunks) where the packed kernel runs
-    as AVX-512 FMAs, else None. Why: without AMX, oneDNN's bf16 GEMM reached 0.17 TFLOP/s here against 0.31 for MKL's
+    as fp32 FMAs (AVX-512 BF16 with neither AMX nor FP16), else None. Why: without AMX, oneDNN's bf16 GEMM reached 0.17 TFLOP/s here against 0.31 for MKL's
     fp32 one on the same bf16 values (the products are exact in fp32; accumulation is fp32 either way, and the output
     is rounded once to bf16 as oneDNN does). Costs 2x the bf16 weight's memory."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or packed_isa() != "avx512":

@@ -5,7 +5,8 @@ C++ compiler or ninja) or `RTSERVE_CPU_EXT=0`; the pure-torch code then serves, 
 - `paged_decode`: decode attention straight from the paged cache (paged_decode.cpp).
 - `rms_norm`, `silu_and_mul`, `add_rms_norm` (residual add fused into the norm), `rope_store` (rotary embedding of q
   and k fused with the KV-cache store): 16-bit only, fp32 math per row, rounded where torch rounds (layer_ops.cpp).
-- `amx_linear`, `amx_linear_gguf`: bf16 linear layers on AMX tiles (amx_linear.cpp).
+- `amx_linear`, `amx_linear_gguf`: bf16 linear layers on packed weights: AMX tiles, or without AMX fp16 / fp32 FMAs
+  (amx_linear.cpp; `kernels.packed_isa()`).
 - `decode_layers`: every decoder layer of a decode-only step in one call, the kernels above in the Python layers'
   order (decode_stack.cpp).
 - `argmax_rows`: greedy sampling's argmax over fp32 logits rows, torch.argmax's tie and NaN rules (layer_ops.cpp).

@@ -1,5 +1,5 @@
-// bf16 linear layers on the CPU's AMX tile units (or, on an AVX-512 CPU without AMX, fp32 FMAs), with weights packed
-// once at load.
+// bf16 linear layers on the CPU's AMX tile units (or, on an AVX-512 CPU without AMX, fp16 or fp32 FMAs), with weights
+// packed once at load.
 //
 // Why: oneDNN's bf16 GEMM (F.linear) re-lays the weight out for AMX on every call, so at decode sizes (8-64 rows) it
 // ran at ~0.1-0.4 TFLOP/s on this CPU: a 32-sequence decode step of SmolLM2-135M spent ~50 of ~90 ms in its 121 GEMMs.
@@ -637,8 +637,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   return p.out;
 }
 
-// The same GEMM on GGUF blocks: each column block is dequantized to bf16 tiles (L1/L2-resident) right before use, so
-// the weight streams from memory at 5 (Q4_1) or 9 (Q8_0) bits a weight instead of 16.
+// The same GEMM on GGUF blocks: each column block is dequantized to bf16 (or, on the fp16 path, fp16) tiles
+// (L1/L2-resident) right before use, so the weight streams from memory at 5 (Q4_1) or 9 (Q8_0) bits a weight, not 16.
 //   q4_1: qs [NB, KB, 2, 16, 16] uint8, dm [NB, KB, 2, 2, 16] fp16
 //   q8_0: qs [NB, KB, 2, 16, 32] int8,  dm [NB, KB, 2, 16] fp16
 at::Tensor amx_linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm,
