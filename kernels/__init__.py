@@ -62,15 +62,20 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     fp16: below 2^-24 they flush to zero), which changes such a weight by less than 3e-8. A weight matrix with an
     entry of magnitude FP16_MAX_WEIGHT or more is not packed there (SmolLM2-135M's largest is 9.25)."""
     n, k = weight.shape
-    isa = packed_isa() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
+    isa = weight_isa(weight)
     if isa is None or n % 32 or k % 32:
         return None
     w = weight.detach()
-    if isa == "avx512fp16":
-        if not bool(w.abs().max() < FP16_MAX_WEIGHT):
-            return None
-        w = w.half()
-    return tile_order(w)
+    return tile_order(w.half() if isa == "avx512fp16" else w)
+
+
+def weight_isa(weight: torch.Tensor) -> str | None:
+    """packed_isa() for this weight: None unless it is a bf16 CPU weight, and on "avx512fp16" unless all its entries
+    are below FP16_MAX_WEIGHT in magnitude (the same rule for dense and GGUF weights)."""
+    isa = packed_isa() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
+    if isa == "avx512fp16" and not bool(weight.detach().abs().max() < FP16_MAX_WEIGHT):
+        return None
+    return isa
 
 
 def tile_order(w: torch.Tensor) -> torch.Tensor:
@@ -82,9 +87,10 @@ def tile_order(w: torch.Tensor) -> torch.Tensor:
 
 def pack_wide_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """An fp32 copy of a bf16 CPU weight for batches above AMX_MAX_ROWS (prefill chunks) where the packed kernel runs
-    as fp32 FMAs (AVX-512 BF16 with neither AMX nor FP16), else None. Why: without AMX, oneDNN's bf16 GEMM reached 0.17 TFLOP/s here against 0.31 for MKL's
-    fp32 one on the same bf16 values (the products are exact in fp32; accumulation is fp32 either way, and the output
-    is rounded once to bf16 as oneDNN does). Costs 2x the bf16 weight's memory."""
+    as fp32 FMAs (AVX-512 BF16 with neither AMX nor FP16), else None. Why: without AMX, oneDNN's bf16 GEMM reached
+    0.17 TFLOP/s here against 0.31 for MKL's fp32 one on the same bf16 values (the products are exact in fp32;
+    accumulation is fp32 either way, and the output is rounded once to bf16 as oneDNN does). Costs 2x the bf16
+    weight's memory."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or packed_isa() != "avx512":
         return None
     return weight.detach().float()

@@ -109,7 +109,9 @@ def _fp16_tiles() -> bool:
 def _dense(w: np.ndarray) -> torch.Tensor:
     """The weight the packed GGUF kernel multiplies by: gguf's fp32 dequantization cast to bf16 as our load does, or
     on an FP16 CPU the exact value (float64 here) rounded once to fp16."""
-    return torch.from_numpy(w.astype(np.float16)) if _fp16_tiles() else torch.from_numpy(w.astype(np.float32)).bfloat16()
+    if _fp16_tiles():
+        return torch.from_numpy(w.astype(np.float16))
+    return torch.from_numpy(w.astype(np.float32)).bfloat16()
 
 
 def _q4_1(n, k, rng):

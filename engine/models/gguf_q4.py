@@ -72,9 +72,7 @@ class Q4Linear(nn.Module):
         super().__init__()
         self.weight, self.bias = dense.weight, dense.bias
         self.amx: tuple[torch.Tensor, torch.Tensor] | None = None   # the packed blocks (named for the first ISA)
-        isa = kernels.packed_isa() if self.weight.dtype == torch.bfloat16 else None
-        if isa == "avx512fp16" and not bool(self.weight.abs().max() < kernels.FP16_MAX_WEIGHT):
-            isa = None   # fp16 tiles would risk overflowing their partial sums (kernels.FP16_MAX_WEIGHT)
+        isa = kernels.weight_isa(self.weight)   # None also where fp16 tiles could overflow (FP16_MAX_WEIGHT)
         if isa is not None:
             self.amx = blocks.pack_amx()
         self.wide = kernels.pack_wide_weight(self.weight)   # prefill-sized batches on AVX-512 without FP16 or AMX
