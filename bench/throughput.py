@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=None, help="KV slots per page (engine default: 4)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     import json
     vocab = json.loads((resolve_model_dir(None) / "config.json").read_text())["vocab_size"]
     prompts, outputs = make_workload(args.num_requests, args.seed, vocab)
-    engine_args = dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+    engine_args = dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, page_size=args.page_size,
+                       max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                        device=args.device, enforce_eager=args.enforce_eager)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens, "

@@ -1,10 +1,23 @@
-"""Paged KV-cache blocks with automatic prefix caching.
+"""Paged KV cache: pages of memory, blocks of prefix cache.
 
-Every full block gets a chained hash h_i = hash(h_{i-1}, tokens of block i, cache_salt), so equal prefixes map to the same
-blocks. A block is *used* while a request or a live session holds a reference; at ref 0 it goes to the tail of the free
-queue but keeps its hash, so a later request with the same prefix can take it back (a prefix hit). Allocation pops from the
-head, the least recently freed block, evicting its hash: that is LRU eviction in O(1). Requests free their blocks tail-first,
-so a shared prefix outlives the private tails that follow it.
+Memory is handed out in *pages* of `page_size` slots (4 by default). A request's `block_table` lists its pages in token
+order; it is what the attention kernels read (a kernel's "block" is one page). The prefix cache works on *blocks* of
+`block_size` tokens (16 by default): `block_size // page_size` consecutive pages of one table.
+
+Why two sizes: a sequence's last block is on average half empty. In 16-slot pages that is ~7.5 slots a sequence,
+4.2 % of the KV at `rtserve bench throughput`'s peak; in 4-slot pages ~1.5 slots, 0.8 %. The kernels gather keys per
+token through the table, so small pages cost them nothing measurable (docs/benchmarks.md). A cache entry covers a
+block, so a prefix hit is a multiple of 16 tokens and the cache keeps one hash and one entry per 16 tokens.
+
+Every full block gets a chained hash h_i = hash(h_{i-1}, tokens of block i, cache_salt), so equal prefixes map to the
+same pages. A page is *used* while a request or a live session holds a reference. At ref 0 it goes to the tail of the
+free queue but keeps its hash, so a later request with the same prefix can take it back (a prefix hit). Allocation pops
+from the head, the least recently freed page; popping a page of a cached block evicts the whole block (its other pages
+stay free, without a hash). That is LRU eviction in O(1). Requests free their pages tail-first, so a shared prefix
+outlives the private tails that follow it.
+
+Invariant: the pages of a cached block share one ref count. They are referenced together (by the request that filled
+them, a hit, a pin) and released together, so when one of them is popped they are all free.
 """
 from __future__ import annotations
 
@@ -15,10 +28,11 @@ from engine.request import Request
 
 
 @dataclass(slots=True)
-class Block:
-    block_id: int
+class Page:
+    page_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: int | None = None   # set while the page belongs to a hashed (full, computed) block
+    block: tuple[int, ...] = ()     # the pages of that block, this one included
 
 
 def hash_block(prev_hash: int | None, tokens: tuple[int, ...] | list[int], extra: object = None) -> int:
@@ -26,23 +40,32 @@ def hash_block(prev_hash: int | None, tokens: tuple[int, ...] | list[int], extra
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 max_pinned_blocks: int | None = None):
+    def __init__(self, num_pages: int, block_size: int, page_size: int | None = None,
+                 enable_prefix_caching: bool = True, max_pinned_pages: int | None = None):
+        page_size = block_size if page_size is None else page_size
+        if page_size < 1 or block_size % page_size:
+            raise ValueError(f"block_size ({block_size}) must be a multiple of page_size ({page_size})")
         self.block_size = block_size
+        self.page_size = page_size
+        self.pages_per_block = block_size // page_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}          # block hash -> block id
-        self.pins: OrderedDict[str, list[int]] = OrderedDict()  # session -> pinned block ids, LRU by last use
-        self.max_pinned_blocks = num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
-        self.num_cached_free = 0                  # free blocks that still hold a hash (kept as a counter: O(1) stats)
+        self.pages = [Page(i) for i in range(num_pages)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_pages))
+        self.cached: dict[int, tuple[int, ...]] = {}   # block hash -> the block's pages
+        self.pins: OrderedDict[str, list[int]] = OrderedDict()  # session -> pinned page ids, LRU by last use
+        self.max_pinned_pages = num_pages // 2 if max_pinned_pages is None else max_pinned_pages
+        self.num_cached_free = 0                  # free pages that still hold a hash (kept as a counter: O(1) stats)
         self.prefix_queries = 0                   # prompt tokens looked up
         self.prefix_hits = 0                      # of which found in the cache
 
     # ---- accounting ---------------------------------------------------------------------------------------------
     @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.pages) * self.page_size
 
     @property
     def num_free(self) -> int:
@@ -50,7 +73,10 @@ class BlockManager:
 
     @property
     def num_pinned(self) -> int:
-        return len({b for ids in self.pins.values() for b in ids})
+        return len({p for ids in self.pins.values() for p in ids})
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
 
     # ---- prefix lookup ------------------------------------------------------------------------------------------
     def update_hashes(self, req: Request) -> None:
@@ -60,19 +86,19 @@ class BlockManager:
             prev = req.block_hashes[-1] if req.block_hashes else None
             req.block_hashes.append(hash_block(prev, req.token_ids[i * bs:(i + 1) * bs], req.cache_salt))
 
-    def find_cached_blocks(self, req: Request) -> list[int]:
-        """Longest run of cached full blocks at the start of the request, leaving at least the last token to compute
-        (its logits are needed to sample)."""
+    def find_cached_pages(self, req: Request) -> list[int]:
+        """Pages of the longest run of cached full blocks at the start of the request, leaving at least the last token
+        to compute (its logits are needed to sample)."""
         if not self.enable_prefix_caching:
             return []
         self.update_hashes(req)
         limit = (req.num_tokens - 1) // self.block_size
         hit: list[int] = []
         for h in req.block_hashes[:limit]:
-            block_id = self.cached.get(h)
-            if block_id is None:
+            pages = self.cached.get(h)
+            if pages is None:
                 break
-            hit.append(block_id)
+            hit.extend(pages)
         return hit
 
     def record_prefix_query(self, num_tokens: int, num_hit: int) -> None:
@@ -80,47 +106,58 @@ class BlockManager:
         self.prefix_hits += num_hit
 
     # ---- allocation ---------------------------------------------------------------------------------------------
-    def _touch(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_queue[block_id]
-            self.num_cached_free -= block.block_hash is not None
-        block.ref_count += 1
+    def _touch(self, page_id: int) -> None:
+        page = self.pages[page_id]
+        if page.ref_count == 0:
+            del self.free_queue[page_id]
+            self.num_cached_free -= page.block_hash is not None
+        page.ref_count += 1
 
     def _pop_free(self) -> int:
-        block_id, _ = self.free_queue.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.block_hash is not None:            # evict: the LRU cached block is reused for new content
+        page_id, _ = self.free_queue.popitem(last=False)
+        page = self.pages[page_id]
+        if page.block_hash is not None:     # evict: the LRU cached block is reused for new content
+            self._evict(page)
+        page.ref_count = 1
+        return page_id
+
+    def _evict(self, page: Page) -> None:
+        """Drop the cache entry of page's block and the hash of all its pages (free, by the invariant)."""
+        if self.cached.get(page.block_hash) == page.block:
+            del self.cached[page.block_hash]
+        for p in page.block:
+            sibling = self.pages[p]
+            assert sibling.ref_count == 0, f"page {p} of an evicted block is still referenced"
+            sibling.block_hash = None
+            sibling.block = ()
             self.num_cached_free -= 1
-            if self.cached.get(block.block_hash) == block_id:
-                del self.cached[block.block_hash]
-            block.block_hash = None
-        block.ref_count = 1
-        return block_id
 
-    def _release(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        assert block.ref_count >= 0, f"block {block_id} freed twice"
-        if block.ref_count == 0:
-            self.free_queue[block_id] = None
-            self.num_cached_free += block.block_hash is not None
+    def _release(self, page_id: int) -> None:
+        page = self.pages[page_id]
+        page.ref_count -= 1
+        assert page.ref_count >= 0, f"page {page_id} freed twice"
+        if page.ref_count == 0:
+            self.free_queue[page_id] = None
+            self.num_cached_free += page.block_hash is not None
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, cached_pages: list[int] | None = None) -> bool:
         """Make req.block_table cover num_computed_tokens (+ the cache hit) + num_new_tokens. All or nothing."""
-        cached_blocks = cached_blocks or []
-        num_needed_tokens = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        have = len(req.block_table) + len(cached_blocks)
-        need = max(0, -(-num_needed_tokens // self.block_size) - have)
-        # a hit on a free cached block takes it off the free queue, so it does not count as free for the tail
-        hit_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
-        if need + hit_free > self.num_free:
-            self._unpin_until(need + hit_free)
-            if need + hit_free > self.num_free:
-                return False
-        for b in cached_blocks:
-            self._touch(b)
-        req.block_table.extend(cached_blocks)
+        cached_pages = cached_pages or []
+        num_needed_tokens = req.num_computed_tokens + len(cached_pages) * self.page_size + num_new_tokens
+        need = max(0, self.pages_for(num_needed_tokens) - len(req.block_table) - len(cached_pages))
+
+        def short() -> int:
+            # a hit on a free cached page takes it off the free queue, so it does not count as free for the tail
+            return need + sum(1 for p in cached_pages if self.pages[p].ref_count == 0) - self.num_free
+
+        # live requests outrank idle sessions: release pins, least recently used first, until the pages fit
+        while short() > 0 and self.pins:
+            self.unpin(next(iter(self.pins)))
+        if short() > 0:
+            return False
+        for p in cached_pages:
+            self._touch(p)
+        req.block_table.extend(cached_pages)
         req.block_table.extend(self._pop_free() for _ in range(need))
         return True
 
@@ -129,52 +166,51 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         self.update_hashes(req)
-        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(req.block_table))
+        r = self.pages_per_block
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(req.block_table) // r)
         for i in range(num_full):
-            block = self.blocks[req.block_table[i]]
-            if block.block_hash is None:
-                h = req.block_hashes[i]
-                block.block_hash = h
-                self.cached.setdefault(h, block.block_id)
+            pages = tuple(req.block_table[i * r:(i + 1) * r])
+            if self.pages[pages[0]].block_hash is not None:   # hashed already (a hit, or an earlier step)
+                continue
+            h = req.block_hashes[i]
+            for p in pages:
+                self.pages[p].block_hash = h
+                self.pages[p].block = pages
+            self.cached.setdefault(h, pages)
 
     def free(self, req: Request) -> None:
         """Drop req's references, tail first (private tails are evicted before the shared prefix)."""
-        for block_id in reversed(req.block_table):
-            self._release(block_id)
+        for page_id in reversed(req.block_table):
+            self._release(page_id)
         req.block_table = []
 
     # ---- session pins -------------------------------------------------------------------------------------------
     def pin(self, session_id: str, req: Request) -> None:
-        """Keep the full, hashed blocks of a finished session request referenced until the session's next turn, so an
-        open-but-idle conversation is not the first thing evicted. Bounded by max_pinned_blocks (LRU by idle time)."""
-        if not self.enable_prefix_caching or self.max_pinned_blocks <= 0:
+        """Keep the hashed blocks of a finished session request referenced until the session's next turn, so an
+        open-but-idle conversation is not the first thing evicted. Bounded by max_pinned_pages (LRU by idle time)."""
+        if not self.enable_prefix_caching or self.max_pinned_pages <= 0:
             return
-        keep = [b for b in req.block_table if self.blocks[b].block_hash is not None]
-        keep = keep[:self.max_pinned_blocks]
-        for b in keep:
-            self._touch(b)
+        keep = [p for p in req.block_table if self.pages[p].block_hash is not None]
+        keep = keep[:self.max_pinned_pages // self.pages_per_block * self.pages_per_block]   # whole blocks only
+        for p in keep:
+            self._touch(p)
         self.unpin(session_id)
         self.pins[session_id] = keep
-        while self.num_pinned > self.max_pinned_blocks and len(self.pins) > 1:
-            oldest = next(iter(self.pins))
-            self.unpin(oldest)
+        while self.num_pinned > self.max_pinned_pages and len(self.pins) > 1:
+            self.unpin(next(iter(self.pins)))
 
     def unpin(self, session_id: str) -> None:
-        for b in reversed(self.pins.pop(session_id, [])):
-            self._release(b)
-
-    def _unpin_until(self, num_free_needed: int) -> None:
-        """Live requests outrank idle sessions: release pins, least recently used first, until enough blocks are free."""
-        while self.pins and self.num_free < num_free_needed:
-            self.unpin(next(iter(self.pins)))
+        for p in reversed(self.pins.pop(session_id, [])):
+            self._release(p)
 
     def stats(self) -> dict:
         return {
-            "kv_blocks_total": self.num_blocks,
-            "kv_blocks_free": self.num_free,
-            "kv_blocks_used": self.num_blocks - self.num_free,
-            "kv_blocks_cached": self.num_cached_free,
-            "kv_blocks_pinned": self.num_pinned,
+            "kv_page_size": self.page_size,
+            "kv_pages_total": self.num_pages,
+            "kv_pages_free": self.num_free,
+            "kv_pages_used": self.num_pages - self.num_free,
+            "kv_pages_cached": self.num_cached_free,
+            "kv_pages_pinned": self.num_pinned,
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
         }

@@ -64,7 +64,7 @@ class LLMEngine:
         self.model_name = args.model or "SmolLM2-135M-Instruct"
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         q4_gguf = gguf_source(args.model) if args.quantization == "gguf" else None
-        self.runner = ModelRunner(self.model_dir, args.dtype, args.device, args.block_size, args.kv_cache_memory,
+        self.runner = ModelRunner(self.model_dir, args.dtype, args.device, args.page_size, args.kv_cache_memory,
                                   q4_gguf)
         cfg = self.runner.config
         self.max_model_len = min(args.max_model_len or cfg.get("max_position_embeddings", 2048),
@@ -74,9 +74,9 @@ class LLMEngine:
             self.runner.enable_decode_graphs(args.max_num_seqs, self.max_model_len)
         eos = cfg.get("eos_token_id", self.tokenizer.eos_token_id)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        num_blocks = self.runner.num_blocks
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                                          max_pinned_blocks=int(num_blocks * args.pinned_blocks_fraction))
+        num_pages = self.runner.num_pages
+        self.block_manager = BlockManager(num_pages, args.block_size, args.page_size, args.enable_prefix_caching,
+                                          max_pinned_pages=int(num_pages * args.pinned_blocks_fraction))
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -100,7 +100,7 @@ class LLMEngine:
         if n + 1 > self.max_model_len:
             raise PromptTooLongError(f"prompt has {n} tokens; the model context is {self.max_model_len} "
                                      f"(including at least one output token)", param="prompt")
-        pool = self.block_manager.num_blocks * self.block_manager.block_size
+        pool = self.block_manager.num_slots
         if n + 1 > pool:
             raise PromptTooLongError(f"prompt has {n} tokens but the whole KV cache holds {pool}; "
                                      f"raise --kv-cache-memory", param="prompt")
@@ -197,10 +197,10 @@ class LLMEngine:
 
     def _track_waste(self) -> None:
         running = self.scheduler.running
-        allocated = sum(len(r.block_table) for r in running) * self.block_manager.block_size
+        allocated = sum(len(r.block_table) for r in running) * self.block_manager.page_size
         if allocated > self.peak_kv_waste[0]:
             # tokens whose KV will be stored once this step runs
-            stored = sum(min(r.num_tokens, len(r.block_table) * self.block_manager.block_size) for r in running)
+            stored = sum(min(r.num_tokens, len(r.block_table) * self.block_manager.page_size) for r in running)
             self.peak_kv_waste = (allocated, stored)
 
     def stats(self) -> dict:

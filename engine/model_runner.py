@@ -47,7 +47,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, dtype: str, device: str, block_size: int, kv_cache_memory: int,
+    def __init__(self, model_dir: Path, dtype: str, device: str, page_size: int, kv_cache_memory: int,
                  q4_gguf: Path | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(DTYPES)}")
@@ -65,16 +65,14 @@ class ModelRunner:
             self.model.pack_weights()
         self.load_seconds = time.perf_counter() - t0
         self.config = self.model.config
-        self.block_size = block_size
+        self.page_size = page_size
         num_layers = len(self.model.layers)
-        per_block = 2 * num_layers * block_size * self.model.num_kv_heads * self.model.head_dim * self.dtype.itemsize
-        self.num_blocks = int(kv_cache_memory // per_block)
-        if self.num_blocks < 2:
-            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds fewer than 2 blocks of {per_block} bytes")
-        # zero_() writes every page at start-up; torch.zeros would map them lazily and the first requests would take the
-        # page faults (zeros, not garbage: a masked-out NaN would still poison P @ V)
-        self.kv_cache = torch.empty(num_layers, 2, self.num_blocks, block_size, self.model.num_kv_heads,
-                                    self.model.head_dim, dtype=self.dtype, device=self.device).zero_()
+        per_page = 2 * num_layers * page_size * self.model.num_kv_heads * self.model.head_dim * self.dtype.itemsize
+        self.num_pages = int(kv_cache_memory // per_page)
+        if self.num_pages < 2:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds fewer than 2 pages of {per_page} bytes")
+        self.kv_cache = kernels.empty_kv_cache((num_layers, 2, self.num_pages, page_size, self.model.num_kv_heads,
+                                                self.model.head_dim), self.dtype, self.device)
         self.graphs: DecodeGraphs | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> bool:
@@ -82,7 +80,7 @@ class ModelRunner:
         never read device values on the host. `capture=False` runs the padded static-buffer path eagerly (tests)."""
         if capture and (self.device.type != "cuda" or kernels.resolve_backend(self.device) != "triton"):
             return False
-        max_blocks = -(-max_model_len // self.block_size)
+        max_blocks = -(-max_model_len // self.page_size)
         try:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, max_num_seqs, max_blocks, capture=capture)
         except Exception as e:  # noqa: BLE001 - a GPU or driver that cannot capture still serves, eagerly
@@ -97,7 +95,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
         """Run one step. Returns fp32 logits for the sampling rows and the indices (into `scheduled`) they belong to."""
-        bs = self.block_size
+        ps = self.page_size
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -112,7 +110,7 @@ class ModelRunner:
             pos = np.arange(start, start + n)
             positions.append(pos)
             table = np.asarray(req.block_table, dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            slots.append(table[pos // ps] * ps + pos % ps)
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
             max_blocks = max(max_blocks, len(req.block_table))

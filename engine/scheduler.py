@@ -2,9 +2,9 @@
 
 Each request simply wants `num_tokens - num_computed_tokens` more tokens computed. Every step hands out up to
 `max_num_batched_tokens` of them: first to running requests (a decode costs 1, a long prompt is chunked to what is left of
-the budget), then to waiting requests, best priority first, while blocks and `max_num_seqs` allow. Chunked prefill, prefix
-hits and decodes all fall out of that one rule. When blocks run out, the lowest-priority (then newest) running request is
-preempted: its blocks are freed and it is recomputed later from its tokens (prompt + output so far), so it resumes with the
+the budget), then to waiting requests, best priority first, while KV pages and `max_num_seqs` allow. Chunked prefill, prefix
+hits and decodes all fall out of that one rule. When pages run out, the lowest-priority (then newest) running request is
+preempted: its pages are freed and it is recomputed later from its tokens (prompt + output so far), so it resumes with the
 same tokens.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
-        # 1. running requests, best priority first; preempt from the worst end when blocks run out
+        # 1. running requests, best priority first; preempt from the worst end when pages run out
         self.running.sort(key=lambda r: r.sort_key)
         scheduled_ids: set[int] = set()
         i = 0
@@ -85,7 +85,7 @@ class Scheduler:
                 i += 1
                 continue
             if req.status.finished:
-                out.preempted.append(req)       # surfaced to the engine, which finishes it and frees its blocks
+                out.preempted.append(req)       # surfaced to the engine, which finishes it and frees its pages
                 self.running.remove(req)
             # req was preempted (or finished); the list shrank, so i now points at the next one
         # 2. waiting requests, if nothing was preempted this step (preemption means memory pressure)
@@ -94,8 +94,8 @@ class Scheduler:
             if req.status.finished:                 # aborted while waiting
                 heapq.heappop(self.waiting)
                 continue
-            cached = bm.find_cached_blocks(req)
-            num_cached = len(cached) * bm.block_size
+            cached = bm.find_cached_pages(req)
+            num_cached = len(cached) * bm.page_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not bm.allocate_slots(req, num_new, cached):
                 break
@@ -123,7 +123,7 @@ class Scheduler:
         out.preempted.append(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Mark finished and release blocks (the engine pins session blocks before calling this)."""
+        """Mark finished and release pages (the engine pins session blocks before calling this)."""
         req.status = status
         if req in self.running:
             self.running.remove(req)

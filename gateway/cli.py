@@ -23,7 +23,10 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens per prefix-cache block (engine default 16)")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="KV slots per page, the unit of KV memory; must divide --block-size (engine default 4)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                     help="LLM weights/activations (default bfloat16: AMX/AVX-512 GEMMs on CPU, half the memory traffic "
                          "per decoded token; float32 matches HF transformers token for token)")
@@ -52,7 +55,7 @@ def serve_parser() -> argparse.ArgumentParser:
 def engine_args(ns: argparse.Namespace) -> dict:
     """CLI flags → AsyncEngine keyword arguments (only those given, so the engine's defaults stay the defaults)."""
     args = {key: getattr(ns, key) for key in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-                                              "max_model_len", "block_size", "dtype", "attention_backend",
+                                              "max_model_len", "block_size", "page_size", "dtype", "attention_backend",
                                               "pinned_blocks_fraction", "device", "num_threads", "quantization")
             if getattr(ns, key) is not None}
     if ns.no_prefix_caching:

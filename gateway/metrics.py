@@ -16,10 +16,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 _GAUGES = (  # metric name, stats key, help
     ("rtserve_requests_running", "requests_running", "Engine requests being computed."),
     ("rtserve_requests_waiting", "requests_waiting", "Engine requests waiting for admission."),
-    ("rtserve_kv_blocks_total", "kv_blocks_total", "KV cache blocks in the pool."),
-    ("rtserve_kv_blocks_used", "kv_blocks_used", "KV blocks held by requests or pinned by live sessions."),
-    ("rtserve_kv_blocks_cached", "kv_blocks_cached", "Free KV blocks that still hold a hashed prefix."),
-    ("rtserve_kv_blocks_pinned", "kv_blocks_pinned", "KV blocks pinned by live sessions."),
+    ("rtserve_kv_page_size", "kv_page_size", "KV slots (tokens) per page."),
+    ("rtserve_kv_pages_total", "kv_pages_total", "KV cache pages in the pool."),
+    ("rtserve_kv_pages_used", "kv_pages_used", "KV pages held by requests or pinned by live sessions."),
+    ("rtserve_kv_pages_cached", "kv_pages_cached", "Free KV pages that still hold a hashed prefix block."),
+    ("rtserve_kv_pages_pinned", "kv_pages_pinned", "KV pages pinned by live sessions."),
 )
 _COUNTERS = (
     ("rtserve_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),

@@ -433,13 +433,13 @@ class RealtimeSession:
         """No quotas here: report the engine's capacity (sequences, KV tokens) as the limits clients pace by."""
         stats = self.engine.stats()
         args = getattr(getattr(self.engine, "engine", None), "args", None)
-        block = getattr(args, "block_size", 16)
+        page = stats.get("kv_page_size", 1)
         seqs = getattr(args, "max_num_seqs", 0)
-        free = stats.get("kv_blocks_free", 0)
         self.send({"type": "rate_limits.updated", "rate_limits": [
             {"name": "requests", "limit": seqs, "reset_seconds": 0.0,
              "remaining": max(0, seqs - stats.get("requests_running", 0) - stats.get("requests_waiting", 0))},
-            {"name": "tokens", "limit": stats.get("kv_blocks_total", 0) * block, "remaining": free * block,
+            {"name": "tokens", "limit": stats.get("kv_pages_total", 0) * page,
+             "remaining": stats.get("kv_pages_free", 0) * page,
              "reset_seconds": 0.0}]})
 
     def _response_dict(self, resp: ActiveResponse) -> dict:

@@ -8,7 +8,9 @@ default, which is Triton when the tensors live on CUDA and torch otherwise. See 
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 
 import torch
 
@@ -37,6 +39,28 @@ def _impl(device):
         from kernels import triton as triton_ops  # imported lazily: TRITON_INTERPRET must be set before triton loads
         return triton_ops
     return torch_ops
+
+
+def empty_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV-cache tensor. On a Linux CPU it asks for 2 MiB pages (madvise MADV_HUGEPAGE) before the first
+    touch. Why: decode attention reads scattered KV pages, each a TLB entry of its own in 4 KiB pages; measured, 30
+    layers x 32 sequences x 180 tokens in 4-slot pages from DRAM: 9.7 -> 8.9 ms. Zeros, not garbage: a masked-out
+    NaN would still poison P @ V. zero_() writes every page now; torch.zeros would map them lazily and the first
+    requests would take the page faults."""
+    cache = torch.empty(shape, dtype=dtype, device=device)
+    if cache.device.type == "cpu" and sys.platform == "linux":
+        _advise_huge_pages(cache.data_ptr(), cache.numel() * cache.element_size())
+    return cache.zero_()
+
+
+_MADV_HUGEPAGE = 14   # <sys/mman.h>
+
+
+def _advise_huge_pages(addr: int, size: int) -> None:
+    huge = 1 << 21
+    start, end = (addr + huge - 1) & ~(huge - 1), (addr + size) & ~(huge - 1)
+    if end > start:   # advice only: a kernel without THP says no, and the cache still works
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
 
 
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -65,7 +65,7 @@ class Server:
         while True:
             s = self.stats()
             idle = s["requests_running"] == 0 and s["requests_waiting"] == 0
-            if idle and (pinned_ok or s["kv_blocks_used"] == 0):
+            if idle and (pinned_ok or s["kv_pages_used"] == 0):
                 return s
             if time.monotonic() > deadline:
                 return s

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from engine import LLM, AsyncEngine, InvalidRequestError, ModelLoadError, PromptTooLongError, SamplingParams
+from engine.config import EngineArgs
 
 PROMPTS = [f"Question {i}: name a {w} and describe it in one sentence." for i, w in
            enumerate(["fruit", "color", "city", "planet", "river", "tree", "bird", "tool",
@@ -36,7 +37,7 @@ async def test_16_concurrent_streams_equal_offline(aengine):
     for (toks, text, last), off in zip(results, offline):
         assert toks == off.token_ids and text == off.text
         assert last.finished and last.finish_reason == "length" and last.num_output_tokens == 12
-    assert aengine.stats()["kv_blocks_used"] == 0
+    assert aengine.stats()["kv_pages_used"] == 0
 
 
 async def test_cancelled_consumer_aborts_and_frees_blocks(aengine):
@@ -55,10 +56,10 @@ async def test_cancelled_consumer_aborts_and_frees_blocks(aengine):
     with pytest.raises(asyncio.CancelledError):
         await task
     for _ in range(200):
-        if aengine.stats()["kv_blocks_used"] == 0 and aengine.stats()["requests_running"] == 0:
+        if aengine.stats()["kv_pages_used"] == 0 and aengine.stats()["requests_running"] == 0:
             break
         await asyncio.sleep(0.02)
-    assert aengine.stats()["kv_blocks_used"] == 0 and len(got) < 500
+    assert aengine.stats()["kv_pages_used"] == 0 and len(got) < 500
 
 
 async def test_explicit_abort_finishes_stream(aengine):
@@ -69,7 +70,7 @@ async def test_explicit_abort_finishes_stream(aengine):
         if len(outs) == 2:
             await aengine.abort("abort-me")
     assert outs[-1].finished and outs[-1].finish_reason == "abort"
-    assert aengine.stats()["kv_blocks_used"] == 0
+    assert aengine.stats()["kv_pages_used"] == 0
 
 
 async def test_bad_requests_raise_typed_errors_and_engine_keeps_serving(aengine):
@@ -87,10 +88,23 @@ async def test_bad_requests_raise_typed_errors_and_engine_keeps_serving(aengine)
 
 
 def test_prompt_larger_than_kv_pool_is_rejected():
-    llm = LLM(kv_cache_memory=4 * 30 * 2 * 16 * 3 * 64 * 4)    # 4 blocks = 64 tokens
+    llm = LLM(kv_cache_memory=64 * 30 * 2 * 3 * 64 * 4)    # 64 KV slots (16 pages of 4)
     with pytest.raises(PromptTooLongError, match="KV cache"):
         llm.generate([[5] * 100], PARAMS)
     assert llm.generate([[5] * 10], PARAMS)[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("args,param", [(dict(page_size=3), "page_size"), (dict(page_size=0), "page_size"),
+                                        (dict(block_size=8, page_size=16), "page_size"), (dict(block_size=0), "block_size")])
+def test_bad_page_and_block_sizes_raise_typed_errors(args, param):
+    with pytest.raises(InvalidRequestError) as e:
+        EngineArgs(**args)
+    assert e.value.param == param
+
+
+def test_default_page_size_divides_the_block_size():
+    assert (EngineArgs().block_size, EngineArgs().page_size) == (16, 4)
+    assert EngineArgs(block_size=6).page_size == 2 and EngineArgs(block_size=1).page_size == 1
 
 
 def test_unknown_model_path():

@@ -39,7 +39,7 @@ def test_the_cpp_op_builds_here():
 @pytest.mark.parametrize("ext", [True, False], ids=["cpp-op", "pure-torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("group,head_dim", [(3, 64), (1, 64), (4, 64), (2, 32)])
-@pytest.mark.parametrize("block_size", [16, 8, 32])
+@pytest.mark.parametrize("block_size", [16, 8, 4, 32])
 def test_mixed_batch_matches_reference(ext, dtype, group, head_dim, block_size, monkeypatch):
     monkeypatch.setattr(cpu_ext, "_enabled", ext)
     q, k_cache, v_cache, cu, seq_lens, tables = _batch(SPECS, block_size, 2, group, head_dim, dtype,
@@ -63,7 +63,7 @@ def test_op_writes_only_the_decode_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("block_size", [16, 8, 4])
 def test_whole_sequence_tasks_equal_per_head_tasks(dtype, block_size):
     """With many decodes a task takes all kv heads of a sequence (and prefetches the other heads' lines); with few,
     one head. Both compute each head the same way, so the outputs are equal bit for bit, and match the reference."""

@@ -31,4 +31,4 @@ def test_padded_static_decode_path_matches_eager():
     assert calls and set(calls) == {3}, calls            # 3 decodes a step, padded to the bucket of 4
     assert graphs.bucket(3) == 4
     bm = eng.block_manager
-    assert bm.num_free == bm.num_blocks
+    assert bm.num_free == bm.num_pages

@@ -101,7 +101,7 @@ def test_decode_logprobs_close_to_hf_bf16():
             assert float(ref[step].max() - ref[step, chosen]) < 0.35, (prompt, step)  # HF's pick, or a near-tie in bf16
             for tok, lp in top:
                 assert abs(lp - float(ref[step, tok])) < 0.35, (prompt, step, tok)    # as close as dense bf16 is
-    assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks
+    assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_pages
 
 
 def test_bad_quantization_requests_fail_clearly(tmp_path):

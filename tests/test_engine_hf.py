@@ -71,20 +71,21 @@ def test_prefix_cache_second_run_matches_hf(small_llm, reference):
 
 
 def test_chunked_prefill_matches_hf(reference):
-    llm = LLM(kv_cache_memory="64MiB", max_num_batched_tokens=7, enable_prefix_caching=False)
+    # one page per block here (page_size 16, the kernels' whole-block path); the other tests run the default 4
+    llm = LLM(kv_cache_memory="64MiB", max_num_batched_tokens=7, enable_prefix_caching=False, page_size=16)
     outs = llm.generate(PROMPTS, GREEDY)
     assert_same(reference, outs)
-    assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks
+    assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_pages
 
 
 def test_preemption_resumes_with_same_tokens(reference):
-    # 12 blocks of 16 tokens: 9 requests of up to ~64 tokens cannot all stay resident
-    llm = LLM(kv_cache_memory=12 * 30 * 2 * 16 * 3 * 64 * 4, enable_prefix_caching=False)
-    assert llm.engine.block_manager.num_blocks == 12
+    # 192 KV slots (48 pages of 4): 9 requests of up to ~64 tokens cannot all stay resident
+    llm = LLM(kv_cache_memory=192 * 30 * 2 * 3 * 64 * 4, enable_prefix_caching=False)
+    assert llm.engine.block_manager.num_pages == 48
     outs = llm.generate(PROMPTS, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert_same(reference, outs)
-    assert llm.engine.block_manager.num_free == 12
+    assert llm.engine.block_manager.num_free == 48
 
 
 def test_bf16_logits_within_bf16_noise_of_fp32(hf_model):

@@ -7,7 +7,7 @@ import pytest
 from openai import AsyncOpenAI
 
 METRIC_NAMES = ["rtserve_sessions_active", "rtserve_requests_running", "rtserve_requests_waiting",
-                "rtserve_kv_blocks_total", "rtserve_kv_blocks_used", "rtserve_kv_blocks_cached",
+                "rtserve_kv_pages_total", "rtserve_kv_pages_used", "rtserve_kv_pages_cached",
                 "rtserve_prefix_cache_queries_total", "rtserve_prefix_cache_hits_total",
                 "rtserve_generated_tokens_total", "rtserve_time_to_first_token_seconds_bucket",
                 "rtserve_inter_token_latency_seconds_bucket"]
@@ -87,7 +87,7 @@ async def test_metrics_exposition(server):
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
               if line and not line.startswith("#") and "{" not in line}
     stats = server.stats()
-    assert values["rtserve_kv_blocks_total"] == stats["kv_blocks_total"]
+    assert values["rtserve_kv_pages_total"] == stats["kv_pages_total"]
     assert values["rtserve_generated_tokens_total"] >= 4
     assert values["rtserve_prefix_cache_queries_total"] >= values["rtserve_prefix_cache_hits_total"]
     assert 'rtserve_time_to_first_token_seconds_count{api="http"}' in text

@@ -242,7 +242,7 @@ async def test_prefix_reuse_across_turns(server):
         previous = usage
     await raw.ws.close()
     await server.wait_idle()
-    assert server.stats()["kv_blocks_used"] == 0
+    assert server.stats()["kv_pages_used"] == 0
 
 
 async def test_cancel_mid_stream_frees_blocks(server):
@@ -263,14 +263,14 @@ async def test_cancel_mid_stream_frees_blocks(server):
     assert response["output"][0]["status"] == "incomplete"
     assert not [e for e in events if e["type"] == "error"]
     s = await server.wait_idle()
-    assert s["requests_running"] == 0 and s["kv_blocks_used"] == 0  # aborted: nothing held, nothing pinned
+    assert s["requests_running"] == 0 and s["kv_pages_used"] == 0  # aborted: nothing held, nothing pinned
     # Cancel sent right behind its response.create (likely handled before the response task first runs).
     await raw.ws.send(orjson.dumps({"type": "response.create"}).decode())
     await raw.ws.send(orjson.dumps({"type": "response.cancel"}).decode())
     events = await raw.until("response.done")
     assert events[-1]["response"]["status"] == "cancelled"
     assert not [e for e in events if e["type"] == "error"]
-    assert (await server.wait_idle())["kv_blocks_used"] == 0
+    assert (await server.wait_idle())["kv_pages_used"] == 0
     # The session goes on; the cancelled partial answer stays in the conversation.
     await raw.say("Just say hello.")
     _, response, _ = await raw.respond({"max_output_tokens": 8})
@@ -288,7 +288,7 @@ async def test_disconnect_mid_response_aborts(server):
     assert server.stats()["requests_running"] + server.stats()["requests_waiting"] == 1
     await raw.ws.close()
     s = await server.wait_idle()
-    assert s["requests_running"] == 0 and s["requests_waiting"] == 0 and s["kv_blocks_used"] == 0
+    assert s["requests_running"] == 0 and s["requests_waiting"] == 0 and s["kv_pages_used"] == 0
 
 
 async def expect_error(raw: Raw, event: dict | str | bytes, code: str, param: str | None,
@@ -419,7 +419,7 @@ async def test_32_concurrent_sessions(server):
             await raw.say(f"Session {i}, turn {turn}: name a fruit.")
             _, response, _ = await raw.respond()
             responses.append(response)
-        assert server.stats()["kv_blocks_pinned"] > 0  # the live session keeps its prefix
+        assert server.stats()["kv_pages_pinned"] > 0  # the live session keeps its prefix
         await raw.ws.close()
         return responses
 
@@ -429,7 +429,7 @@ async def test_32_concurrent_sessions(server):
         assert all(r["status"] in ("completed", "incomplete") for r in responses)
         assert all(r["usage"]["output_tokens"] >= 1 for r in responses)
     s = await server.wait_idle()
-    assert s["kv_blocks_used"] == 0 and s["kv_blocks_pinned"] == 0 and s["requests_running"] == 0
+    assert s["kv_pages_used"] == 0 and s["kv_pages_pinned"] == 0 and s["requests_running"] == 0
     assert "rtserve_sessions_active 0.0" in server.metrics_text()
 
 

@@ -90,7 +90,7 @@ def test_paged_attention_matches_reference(scenario, block_size, group, dtype):
 
 @pytest.mark.parametrize("block_m,tile", [(16, 16), (16, 64), (32, 32), (64, 16)])
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("block_size", [4, 8, 32])
 def test_paged_attention_tilings(block_m, tile, group, block_size):
     """Several query blocks per sequence (binary search over cu_seqlens_q) and key tiles smaller / larger than a
     cache block (tiles and cache blocks are independent): every tiling gives the same answer."""

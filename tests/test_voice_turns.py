@@ -147,7 +147,7 @@ async def test_eight_concurrent_voice_sessions_batch_the_encoder(server):
         await raw.ws.close()
     # Nothing leaks: no transcription in flight, no KV block held once the sessions are gone.
     stats = await server.wait_idle()
-    assert stats["kv_blocks_used"] == 0 and stage.stats()["transcriptions_inflight"] == 0
+    assert stats["kv_pages_used"] == 0 and stage.stats()["transcriptions_inflight"] == 0
     assert not server.app.state.sessions and not stage.awaiting_first_piece and not stage.first_audio_pending()
 
 
@@ -171,10 +171,10 @@ async def test_disconnects_leave_nothing_behind(server):
     for _ in range(200):
         stats = await server.wait_idle()
         busy = stage.stats()["transcriptions_inflight"] or stage.tts.pending
-        if not busy and not server.app.state.sessions and stats["kv_blocks_used"] == 0:
+        if not busy and not server.app.state.sessions and stats["kv_pages_used"] == 0:
             break
         await asyncio.sleep(0.1)
-    assert stats["kv_blocks_used"] == 0 and stats["requests_running"] == 0
+    assert stats["kv_pages_used"] == 0 and stats["requests_running"] == 0
     assert stage.stats()["transcriptions_inflight"] == 0 and stage.tts.pending == 0
     assert not server.app.state.sessions and not stage.awaiting_first_piece
 
@@ -229,5 +229,5 @@ async def test_reply_spoken_during_the_pause_is_dropped_or_sent(server):
     assert not second.spoken and stage.speculations["spoken"] > used
     await raw.ws.close()
     stats = await server.wait_idle()
-    assert stats["requests_running"] == 0 and stats["kv_blocks_used"] == 0
+    assert stats["requests_running"] == 0 and stats["kv_pages_used"] == 0
     assert not server.app.state.sessions

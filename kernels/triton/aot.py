@@ -66,8 +66,8 @@ def _merge_source(dtype: str, head_dim: int, num_splits: int):
     return ASTSource(fn, sig, consts)
 
 
-def compile_all(archs=(90, 80), group: int = 3, head_dim: int = 64, block_size: int = 16) -> list[Compiled]:
-    """SmolLM2-135M shapes by default (9 heads over 3 kv heads, head_dim 64)."""
+def compile_all(archs=(90, 80), group: int = 3, head_dim: int = 64, block_size: int = 4) -> list[Compiled]:
+    """SmolLM2-135M shapes by default (9 heads over 3 kv heads, head_dim 64), in the engine's default 4-slot pages."""
     import triton
     from triton.backends.compiler import GPUTarget
 
