@@ -101,6 +101,12 @@ static inline void prefetch_bytes(const void* row, int64_t from, int64_t to) {
   for (int64_t off = from; off < to; off += 64) __builtin_prefetch(static_cast<const char*>(row) + off, 0, 3);
 }
 
+// How far ahead of the loops the pages of K and V are prefetched, in tokens. Pages are scattered in memory, and the
+// hardware prefetchers ramp up again at every page (a 4-slot page is 1.5 KB of rows). Measured, 30 layers x 32
+// sequences x 180 tokens from DRAM, 4-slot pages: 13.1 -> 10.2 ms with 64 tokens ahead (16 ahead: 10.7, 128: 10.2);
+// 16-slot pages: 11.3 -> 8.8 ms.
+constexpr int64_t kPrefetchTokens = 64;
+
 template <typename scalar_t, int G>
 static void decode_d64(const Batch<scalar_t>& b) {
   // Decode attention is bound by memory, not arithmetic: a token's keys for all kv heads are one contiguous row
@@ -116,6 +122,20 @@ static void decode_d64(const Batch<scalar_t>& b) {
       const int64_t i = task / b.kv_heads, h = task % b.kv_heads, seq = b.seqs[i], ctx = b.lens[seq];
       const bool prefetch = heads_per_task > 1 && h == 0;
       const int32_t* table = b.tables + seq * b.max_blocks;
+      // The pass that reads a page from memory prefetches the page `ahead` pages on: the whole page (every head's
+      // lines; a page's rows are contiguous) in a whole-sequence task, whose later heads then read from cache, or
+      // this head's lines in a per-head task.
+      const int64_t num_pages = (ctx + b.block_size - 1) / b.block_size;
+      const int64_t ahead = std::max<int64_t>(1, kPrefetchTokens / b.block_size);
+      auto prefetch_page = [&](const scalar_t* cache, int64_t j) {
+        if ((heads_per_task > 1 && h > 0) || j >= num_pages) return;
+        const char* page = reinterpret_cast<const char*>(cache + table[j] * b.block_size * b.slot_stride);
+        if (heads_per_task > 1)
+          prefetch_bytes(page, 0, b.block_size * row_bytes);
+        else
+          for (int64_t r = 0; r < b.block_size; ++r) prefetch_bytes(page + r * row_bytes + h * head_bytes, 0, head_bytes);
+      };
+      for (int64_t j = 1; j < ahead; ++j) prefetch_page(b.k, j);
       const scalar_t* q_row = b.q + b.rows[i] * b.q_stride + h * G * 64;
       scores.resize(G * ctx);
       v16f q[G][4];
@@ -149,6 +169,7 @@ static void decode_d64(const Batch<scalar_t>& b) {
       };
       if (b.block_size % 16 == 0) {  // groups inside a block: rows at a fixed stride (no division per token)
         for (int64_t t0 = 0; t0 < ctx; t0 += b.block_size) {
+          prefetch_page(b.k, t0 / b.block_size + ahead);
           const scalar_t* kb = b.k + b.slot(table, t0, h);
           const int64_t n = std::min(b.block_size, ctx - t0);
           for (int64_t o0 = 0; o0 + 16 <= n; o0 += 16)
@@ -161,6 +182,7 @@ static void decode_d64(const Batch<scalar_t>& b) {
         for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
           const int64_t n = std::min<int64_t>(16, ctx - t0);
           for (int64_t o = 0; o < n; ++o) {
+            if (off == 0) prefetch_page(b.k, blk + ahead);
             rows16[o] = b.k + (static_cast<int64_t>(table[blk]) * b.block_size + off) * b.slot_stride + h * 64;
             if (++off == b.block_size) off = 0, ++blk;
           }
@@ -178,7 +200,9 @@ static void decode_d64(const Batch<scalar_t>& b) {
         inv[g] = 1.f / sum;
       }
       v16f acc[G][4] = {};
+      for (int64_t j = 0; j < ahead; ++j) prefetch_page(b.v, j);
       for (int64_t t0 = 0; t0 < ctx; t0 += b.block_size) {  // out = p . v, accumulators in registers
+        prefetch_page(b.v, t0 / b.block_size + ahead);
         const scalar_t* vb = b.v + b.slot(table, t0, h);
         const int64_t n = std::min(b.block_size, ctx - t0);
         for (int64_t o = 0; o < n; ++o) {
