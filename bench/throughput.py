@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((resolve_model_dir(None) / "config.json").read_text())["vocab_size"]
     prompts, outputs = make_workload(args.num_requests, args.seed, vocab)
     engine_args = dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, page_size=args.page_size,
-                       max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       attention_backend=args.attention_backend,
                        device=args.device, enforce_eager=args.enforce_eager)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens, "
           f"torch threads {torch.get_num_threads()}, {args.repeats} rounds", flush=True)

@@ -5,9 +5,9 @@ order; it is what the attention kernels read (a kernel's "block" is one page). T
 `block_size` tokens (16 by default): `block_size // page_size` consecutive pages of one table.
 
 Why two sizes: a sequence's last block is on average half empty. In 16-slot pages that is ~7.5 slots a sequence,
-4.2 % of the KV at `rtserve bench throughput`'s peak; in 4-slot pages ~1.5 slots, 0.8 %. The kernels gather keys per
-token through the table, so small pages cost them nothing measurable (docs/benchmarks.md). A cache entry covers a
-block, so a prefix hit is a multiple of 16 tokens and the cache keeps one hash and one entry per 16 tokens.
+4.2 % of the KV at `rtserve bench throughput`'s peak; in 4-slot pages ~1.5 slots, 0.8 %. The kernels read the table
+per token either way; the engine's time moved by ~1 % (docs/benchmarks.md). A cache entry covers a block, so a prefix
+hit is a multiple of 16 tokens and the cache keeps one hash and one entry per 16 tokens.
 
 Every full block gets a chained hash h_i = hash(h_{i-1}, tokens of block i, cache_salt), so equal prefixes map to the
 same pages. A page is *used* while a request or a live session holds a reference. At ref 0 it goes to the tail of the

@@ -112,7 +112,8 @@ async def _load_engine(settings: Settings):
     engine = task.result()
     stats = engine.stats()
     print(f"rtserve: loaded {engine.model_name} in {time.monotonic() - start:.1f} s "
-          f"(max_model_len {engine.max_model_len}, {stats.get('kv_pages_total')} KV pages of {stats.get('kv_page_size')} tokens)", flush=True)
+          f"(max_model_len {engine.max_model_len}, {stats.get('kv_pages_total')} KV pages of "
+          f"{stats.get('kv_page_size')} tokens)", flush=True)
     return engine
 
 

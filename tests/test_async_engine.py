@@ -95,7 +95,8 @@ def test_prompt_larger_than_kv_pool_is_rejected():
 
 
 @pytest.mark.parametrize("args,param", [(dict(page_size=3), "page_size"), (dict(page_size=0), "page_size"),
-                                        (dict(block_size=8, page_size=16), "page_size"), (dict(block_size=0), "block_size")])
+                                        (dict(block_size=8, page_size=16), "page_size"),
+                                        (dict(block_size=0), "block_size")])
 def test_bad_page_and_block_sizes_raise_typed_errors(args, param):
     with pytest.raises(InvalidRequestError) as e:
         EngineArgs(**args)

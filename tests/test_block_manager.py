@@ -140,7 +140,7 @@ def test_a_block_of_pages_is_hit_and_evicted_whole():
     b = make_req(list(range(16)) + [99], rid="b")
     assert bm.find_cached_pages(b) == a.block_table[:8]
     first, second = tuple(a.block_table[:4]), tuple(a.block_table[4:8])
-    bm.free(a)                                     # tail first: queue = 3 unused, a's tail page, second[::-1], first[::-1]
+    bm.free(a)           # tail first: the queue is 3 unused pages, a's tail page, second[::-1], first[::-1]
     assert bm.num_cached_free == 8
     c = make_req(range(100, 110), rid="c")         # 5 pages: the 3 unused, a's tail page, then second[-1]
     assert bm.allocate_slots(c, 10)

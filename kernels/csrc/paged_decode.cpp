@@ -127,19 +127,19 @@ static void decode_d64(const Batch<scalar_t>& b) {
       // this head's lines in a per-head task.
       const int64_t num_pages = (ctx + b.block_size - 1) / b.block_size;
       const int64_t ahead = std::max<int64_t>(1, kPrefetchTokens / b.block_size);
+      auto page_base = [&](const scalar_t* cache, int64_t j) {  // row 0 of page j (a page index: no division)
+        return cache + static_cast<int64_t>(table[j]) * b.block_size * b.slot_stride;
+      };
       auto prefetch_page = [&](const scalar_t* cache, int64_t j) {
         if ((heads_per_task > 1 && h > 0) || j >= num_pages) return;
-        const char* page = reinterpret_cast<const char*>(cache + table[j] * b.block_size * b.slot_stride);
+        const char* page = reinterpret_cast<const char*>(page_base(cache, j));
         if (heads_per_task > 1)
           prefetch_bytes(page, 0, b.block_size * row_bytes);
         else
-          for (int64_t r = 0; r < b.block_size; ++r) prefetch_bytes(page + r * row_bytes + h * head_bytes, 0, head_bytes);
+          for (int64_t r = 0; r < b.block_size; ++r)
+            prefetch_bytes(page + r * row_bytes + h * head_bytes, 0, head_bytes);
       };
       for (int64_t j = 1; j < ahead; ++j) prefetch_page(b.k, j);
-      // head h's row 0 of page j (no division: a page index, not a token's)
-      auto page_rows = [&](const scalar_t* cache, int64_t j) {
-        return cache + static_cast<int64_t>(table[j]) * b.block_size * b.slot_stride + h * 64;
-      };
       const scalar_t* q_row = b.q + b.rows[i] * b.q_stride + h * G * 64;
       scores.resize(G * ctx);
       v16f q[G][4];
@@ -174,7 +174,7 @@ static void decode_d64(const Batch<scalar_t>& b) {
       if (b.block_size % 16 == 0) {  // groups inside a block: rows at a fixed stride (no division per token)
         for (int64_t j = 0, t0 = 0; t0 < ctx; ++j, t0 += b.block_size) {
           prefetch_page(b.k, j + ahead);
-          const scalar_t* kb = page_rows(b.k, j);
+          const scalar_t* kb = page_base(b.k, j) + h * 64;
           const int64_t n = std::min(b.block_size, ctx - t0);
           for (int64_t o0 = 0; o0 + 16 <= n; o0 += 16)
             group16([&](int o) { return kb + (o0 + o) * b.slot_stride; }, t0 + o0);
@@ -207,7 +207,7 @@ static void decode_d64(const Batch<scalar_t>& b) {
       for (int64_t j = 0; j < ahead; ++j) prefetch_page(b.v, j);
       for (int64_t j = 0, t0 = 0; t0 < ctx; ++j, t0 += b.block_size) {  // out = p . v, accumulators in registers
         prefetch_page(b.v, j + ahead);
-        const scalar_t* vb = page_rows(b.v, j);
+        const scalar_t* vb = page_base(b.v, j) + h * 64;
         const int64_t n = std::min(b.block_size, ctx - t0);
         for (int64_t o = 0; o < n; ++o) {
           const scalar_t* v = vb + o * b.slot_stride;
