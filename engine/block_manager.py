@@ -4,10 +4,10 @@ Memory is handed out in *pages* of `page_size` slots (4 by default). A request's
 order; it is what the attention kernels read (a kernel's "block" is one page). The prefix cache works on *blocks* of
 `block_size` tokens (16 by default): `block_size // page_size` consecutive pages of one table.
 
-Why two sizes: a sequence's last block is on average half empty. In 16-slot pages that is ~7.5 slots a sequence,
-4.2 % of the KV at `rtserve bench throughput`'s peak; in 4-slot pages ~1.5 slots, 0.8 %. The kernels read the table
-per token either way; the engine's time moved by ~1 % (docs/benchmarks.md). A cache entry covers a block, so a prefix
-hit is a multiple of 16 tokens and the cache keeps one hash and one entry per 16 tokens.
+Why two sizes: a sequence leaves less than one page unused (its last page is half empty on average), so small pages
+waste little memory, and the kernels read the table per token either way (docs/benchmarks.md has the measured waste).
+A cache entry covers a block, so a prefix hit is a multiple of `block_size` tokens and the cache keeps one hash and
+one entry per block, not per page.
 
 Every full block gets a chained hash h_i = hash(h_{i-1}, tokens of block i, cache_salt), so equal prefixes map to the
 same pages. A page is *used* while a request or a live session holds a reference. At ref 0 it goes to the tail of the

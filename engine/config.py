@@ -22,7 +22,7 @@ def parse_size(value: int | float | str) -> int:
 
 
 QUANTIZATIONS = (None, "gguf")
-DEFAULT_PAGE_SIZE = 4   # a sequence's last page is half empty on average: ~1.5 slots, against ~7.5 in pages of 16
+DEFAULT_PAGE_SIZE = 4   # a sequence leaves less than one page unused, so small pages waste little KV memory
 
 
 @dataclass(slots=True)
@@ -40,7 +40,7 @@ class EngineArgs:
     attention_backend: str | None = None
     device: str = "cpu"
     num_threads: int | None = None
-    quantization: str | None = None     # "gguf": decode batches on the GGUF's own 4-bit blocks (engine/models/gguf_q4.py)
+    quantization: str | None = None     # "gguf": linears on the GGUF file's own blocks (engine/layers/gguf_linear.py)
     enforce_eager: bool = False         # on CUDA + Triton, decode steps replay CUDA graphs unless True (engine/cuda_graph.py)
 
     def __post_init__(self) -> None:
