@@ -74,7 +74,7 @@ def serve(argv: list[str]) -> int:
     import uvicorn
 
     from gateway.app import WS_MAX_SIZE, Settings, create_app
-    from gateway.session import SessionLimits
+    from gateway.realtime.session import SessionLimits
 
     ns = serve_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -11,7 +11,7 @@ import hmac
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from gateway import protocol as p
+from gateway.realtime import protocol as p
 
 KEY_PREFIX = "openai-insecure-api-key."
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
