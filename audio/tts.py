@@ -36,25 +36,18 @@ from pathlib import Path
 
 import numpy as np
 
-from . import cache_dir
+from kernels import settings
+
 from .codecs import AudioFormat, encode_audio, parse_audio_format
 from .resample import StreamResampler, resample
 
 VOICE_RATE = 22_050
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
-TTS_THREADS = int(os.environ.get("RTSERVE_TTS_THREADS", "2"))  # synthesis threads (one voice + one ONNX thread each)
 FIRST_CHUNK_FRAMES = 24  # first vocoder run of a stream: ~0.28 s of audio for ~20 ms of work
 CHUNK_FRAMES = 96  # later runs (~1.1 s of audio; each costs 2 × MARGIN_FRAMES of overlap)
 MARGIN_FRAMES = 11  # vocoder context on each side of a window: its receptive field is 10.7 frames (see _vocode)
 GAIN = 1.6  # fixed output gain (see the module docstring)
-# A reply's audio is made at most this far ahead of its listener: later windows wait, leaving the CPU to work that
-# someone waits on now (other turns' transcription, prefill, first audio). Steps take ≤ ~0.3 s even under load.
-LOOKAHEAD_S = float(os.environ.get("RTSERVE_TTS_LOOKAHEAD_S", "1.0"))
-# While the worker's `yield_to` says that work upstream of someone's first audio is running (a turn's transcription,
-# a reply decoding towards its first piece), audio whose listener still has more than this much to play waits for it
-# (polled every YIELD_POLL_S).
-YIELD_SLACK_S = float(os.environ.get("RTSERVE_TTS_YIELD_SLACK_S", "0.4"))
-YIELD_POLL_S = 0.02
+YIELD_POLL_S = 0.02  # how often audio held back for urgent work elsewhere checks again (see TTSWorker)
 _DECODER_INPUT_NODE = "/dec/conv_pre/Conv"  # the HiFi-GAN's first conv in piper's VITS export
 
 
@@ -78,7 +71,7 @@ def split_voice(model: Path, cache: Path | None = None) -> tuple[Path, Path] | N
     does not have the expected shape (a multi-speaker voice, another exporter) — then it runs whole. Both halves get
     their 1-D convolutions as 2-D ones (``conv1d_as_2d``)."""
     st = model.stat()
-    out = Path(cache or cache_dir()) / "piper" / f"{model.stem}-{st.st_size}-{int(st.st_mtime)}-2d"
+    out = Path(cache or settings.cache_dir()) / "piper" / f"{model.stem}-{st.st_size}-{int(st.st_mtime)}-2d"
     enc, voc = out / "encoder.onnx", out / "vocoder.onnx"
     if enc.exists() and voc.exists():
         return enc, voc
@@ -401,7 +394,8 @@ class SpeechJob:
 
 
 class TTSWorker:
-    """Shared synthesis threads for all sessions (``threads``, default ``TTS_THREADS``), scheduled by deadline.
+    """Shared synthesis threads for all sessions (``threads``, default ``$RTSERVE_TTS_THREADS``: one voice instance
+    and one ONNX intra-op thread each), scheduled by deadline.
 
     Each thread uses its own voice instance (the first is the process-wide one). A thread runs one step of the
     job with the earliest ``SpeechClock.deadline()`` (ties: submission order), then picks again. With a given
@@ -409,17 +403,25 @@ class TTSWorker:
 
     ``yield_to`` (the gateway passes `AudioStage.first_audio_pending`: a turn is being transcribed or a reply is
     decoding towards its first piece) makes audio that is not yet due wait while it says True: a listener with more
-    than YIELD_SLACK_S of audio left to play can wait, a user whose turn just ended is waiting now, and on a 2-core
-    machine every synthesis thread that runs slows that work down.
+    than ``yield_slack`` seconds of audio left to play can wait, a user whose turn just ended is waiting now, and on a
+    small CPU every synthesis thread that runs slows that work down.
     """
 
-    def __init__(self, synthesizer: Synthesizer | None = None, threads: int = TTS_THREADS,
+    def __init__(self, synthesizer: Synthesizer | None = None, threads: int | None = None,
                  window_frames: tuple[int, int] = (FIRST_CHUNK_FRAMES, CHUNK_FRAMES),
-                 lookahead: float = LOOKAHEAD_S, yield_to: Callable[[], bool] | None = None) -> None:
+                 lookahead: float | None = None, yield_to: Callable[[], bool] | None = None,
+                 yield_slack: float | None = None) -> None:
+        if threads is None:
+            threads = settings.integer("RTSERVE_TTS_THREADS")
         self.threads = 1 if synthesizer is not None else max(1, int(threads))
         self.window_frames = window_frames  # (first, largest) vocoder window; (big, big): one run per sentence
-        self.lookahead = lookahead
+        # A reply's audio is made at most this far ahead of its listener: later windows wait, leaving the CPU to work
+        # that someone waits on now (other turns' transcription, prefill, first audio).
+        self.lookahead = settings.number("RTSERVE_TTS_LOOKAHEAD_S") if lookahead is None else lookahead
         self.yield_to = yield_to  # True while more urgent work runs elsewhere (see _pick)
+        # While `yield_to` says that work upstream of someone's first audio is running (a turn's transcription, a
+        # reply decoding towards its first piece), audio whose listener still has more than this much to play waits.
+        self.yield_slack = settings.number("RTSERVE_TTS_YIELD_SLACK_S") if yield_slack is None else yield_slack
         self._given = synthesizer
         self._cv = threading.Condition()
         self._jobs: list[SpeechJob] = []
@@ -510,8 +512,8 @@ class TTSWorker:
         slack = best.clock.deadline() - time.monotonic()
         if slack > self.lookahead:
             return None, slack - self.lookahead
-        if slack > YIELD_SLACK_S and self.yield_to is not None and self.yield_to():
-            return None, min(YIELD_POLL_S, slack - YIELD_SLACK_S)
+        if slack > self.yield_slack and self.yield_to is not None and self.yield_to():
+            return None, min(YIELD_POLL_S, slack - self.yield_slack)
         return best, None
 
     def _cancel(self, job: SpeechJob) -> None:

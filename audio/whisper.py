@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 import kernels
+from kernels import settings
 
-from . import cache_dir
 
 SAMPLE_RATE = 16_000
 WINDOW_SECONDS = 30
@@ -252,7 +252,7 @@ class WhisperModel:
 
         model_dir = Path(model_dir or package_model_dir())
         ct2_cfg = json.loads((model_dir / "config.json").read_text())
-        cache_path = Path(cache or cache_dir()) / "whisper-tiny.en"
+        cache_path = Path(cache or settings.cache_dir()) / "whisper-tiny.en"
         weights, cfg_file = cache_path / "model.safetensors", cache_path / "config.json"
         if not weights.exists() or not cfg_file.exists():
             if not (model_dir / "model.bin").exists():
@@ -567,7 +567,7 @@ _shared_lock = threading.Lock()
 
 def default_dtype() -> torch.dtype:
     """bf16 (fast on AMX CPUs and GPUs) unless ``RTSERVE_WHISPER_DTYPE=float32`` asks for exact."""
-    name = os.environ.get("RTSERVE_WHISPER_DTYPE", "bfloat16")
+    name = settings.raw("RTSERVE_WHISPER_DTYPE")
     if name not in ("bfloat16", "float32", "float16"):
         raise WhisperLoadError(f"RTSERVE_WHISPER_DTYPE must be bfloat16, float32 or float16, got {name!r}")
     return getattr(torch, name)

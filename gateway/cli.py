@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
+
+from kernels import settings
 
 USAGE = """usage: rtserve serve [options]      run the OpenAI-compatible Realtime + HTTP server
        rtserve bench NAME [args]    run bench/NAME.py (e.g. `rtserve bench realtime --help`)"""
@@ -15,7 +16,7 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=os.environ.get("RTSERVE_API_KEY"),
+    ap.add_argument("--api-key", default=settings.raw("RTSERVE_API_KEY") or None,
                     help="require this key (Bearer header, openai-insecure-api-key. subprotocol or ?api-key=)")
     ap.add_argument("--allowed-origins", default=None,
                     help="comma-separated browser origins allowed besides same-origin pages ('*' for any)")

@@ -213,8 +213,9 @@ class ResponseRunner:
 
     # ---------------------------------------------------------------------------------------- running
     async def run(self, resp: ActiveResponse, audio_in: AudioInput | None, speculation: Speculation | None) -> None:
-        """Run `resp` up to its response.done (raises CancelledError only when the session is closing). `audio_in`: the session's input side, whose committed speech is this turn's
-        prompt; `speculation`: where a reply decoded during the pause that ended the turn waits."""
+        """Run `resp` up to its response.done, which the session sends (CancelledError comes out only when the
+        session is closing). `audio_in`: the session's input side, whose committed speech is this turn's prompt;
+        `speculation`: where a reply decoded during the pause that ended the turn waits."""
         resp.started = True
         finished, out_ids, n_prompt, n_cached = False, [], 0, 0
         prompt = None
