@@ -20,7 +20,7 @@ CONTEXT = 64  # samples of the previous window that silero v5 prepends
 _MS_PER_SAMPLE = 1000 / SAMPLE_RATE
 
 SEMANTIC_EAGERNESS_MS = {"low": 800, "medium": 500, "high": 250, "auto": 500}
-# Silero's speech probability stays high for ~60-150 ms after a voice really stops (its recurrent state decays), so a
+# Silero's speech probability stays high for a while after a voice really stops (its recurrent state decays), so a
 # silence counted from silero's first quiet window starts late. When silero turns to silence, the run of windows just
 # before it that were already TAIL_DB below the turn's loudest window (at most MAX_TAIL_MS of them) counts as
 # silence too. With noise less than TAIL_DB under the voice no window qualifies, and silero's timing stands.

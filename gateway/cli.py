@@ -46,9 +46,8 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-audio", action="store_true",
                     help="text only: no VAD/Whisper/TTS (audio events answer audio_unavailable)")
     ap.add_argument("--ws-compression", action="store_true",
-                    help="offer permessage-deflate on WebSockets: base64 audio shrinks to ~62 %%, at ~3 ms of "
-                         "event-loop CPU per second of audio each way (off by default: a voice server here is "
-                         "CPU-bound)")
+                    help="offer permessage-deflate on WebSockets: base64 audio shrinks, at a cost in event-loop "
+                         "CPU for every second of audio each way (off by default: a voice server here is CPU-bound)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return ap
 
