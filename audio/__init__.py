@@ -13,7 +13,7 @@ API for the gateway (one Realtime session in brackets, shared objects created at
     from audio.tts import TTSWorker, TTSError
     from audio.chunker import SentenceChunker
 
-    # process-wide (lifespan): one Whisper worker thread, TTS_THREADS (2) TTS threads
+    # process-wide (lifespan; audio.stage.AudioStage holds both): one Whisper worker thread, the TTS threads
     transcriber = Transcriber()                  # loads Whisper in its own thread; .close() on shutdown
     tts = TTSWorker()                            # await tts.warmup() optional; .close() on shutdown
 
@@ -24,13 +24,15 @@ API for the gateway (one Realtime session in brackets, shared objects created at
     vad = StreamingVAD(threshold=0.5, prefix_padding_ms=300, silence_duration_ms=500)
                                                  # semantic_vad: silence_duration_ms=semantic_vad_silence_ms(eagerness)
 
-    # input_audio_buffer.append {audio}  (run in a worker thread: decode + resample + VAD ≈ 1-2 % of real time)
+    # input_audio_buffer.append {audio}  (run in a worker thread: decode + resample + VAD)
     new16k = buf.append_b64(audio)               # -> np.float32 @16 kHz; raises AudioFormatError / AudioBufferError
     for ev in vad.feed(new16k):                  # -> list[VADEvent]
         ev.type, ev.audio_start_ms               # "speech_started": audio_start_ms includes prefix padding
         ev.audio_end_ms                          # "speech_stopped": segment [audio_start_ms, audio_end_ms)
         seg = buf.commit_range(ev.audio_start_ms, ev.audio_end_ms)   # on speech_stopped -> CommittedAudio
     if not vad.speaking: buf.discard_before(vad.position_ms - prefix_padding_ms)   # keep memory flat
+    vad.pause                                    # Pause(speech_start_ms, silence_start_ms, silence_ms) or None:
+                                                 # a silence inside the turn, shorter than the window so far
 
     # input_audio_buffer.commit / .clear (manual turns)
     seg = buf.commit()                           # CommittedAudio(audio_16k, audio_start_ms, audio_end_ms);
@@ -58,14 +60,8 @@ Errors all derive from ``AudioError`` (``.code``, ``.message``, ``.param`` for t
 ``TranscriptionError``/``TTSError`` (RuntimeError subclasses with a ``code``).  ``transcriber.stats``
 (``TranscriberStats.snapshot()``) has batch sizes, encoder/decoder seconds, audio seconds and RTF.
 
-Environment: ``RTSERVE_CACHE`` (default ``~/.cache/rtserve``) holds the converted Whisper weights and the piper voice
-split into encoder and vocoder; ``RTSERVE_WHISPER_DTYPE`` = bfloat16 (default, fast path) | float32 (exact).
+Environment (kernels/settings.py lists every variable): ``RTSERVE_CACHE`` holds the converted Whisper weights and the
+piper voice split into encoder and vocoder; ``RTSERVE_WHISPER_DTYPE``, ``RTSERVE_WHISPER_THREADS``,
+``RTSERVE_TTS_THREADS``, ``RTSERVE_TTS_LOOKAHEAD_S`` and ``RTSERVE_TTS_YIELD_SLACK_S`` tune the workers. They are
+read when a worker or model is created.
 """
-
-import os
-from pathlib import Path
-
-
-def cache_dir() -> Path:
-    """Where converted model files are cached (``$RTSERVE_CACHE``, default ``~/.cache/rtserve``)."""
-    return Path(os.environ.get("RTSERVE_CACHE", Path.home() / ".cache" / "rtserve"))

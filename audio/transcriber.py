@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -23,16 +22,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import kernels
+from kernels import settings
 
 from .whisper import SAMPLE_RATE, WINDOW_SAMPLES, WhisperModel, get_whisper
 
 log = logging.getLogger(__name__)
 
 MIN_SAMPLES = SAMPLE_RATE // 100  # 10 ms: anything shorter is not a segment
-# Intra-op threads of the worker. One: beside the LLM engine and the TTS threads on a small CPU, a Whisper turn with
-# two threads stalled at every parallel op for the other thread (p50 with the engine and two TTS threads busy on
-# 2 vCPUs: 230 ms on one thread, 332 ms on two; idle: 85 ms on one, 68 ms on two).
-WHISPER_THREADS = int(os.environ.get("RTSERVE_WHISPER_THREADS", "1"))
 
 
 class TranscriptionError(RuntimeError):
@@ -138,9 +134,11 @@ class Transcriber:
     """Shared batched Whisper worker.  Create once per process; ``close()`` on shutdown."""
 
     def __init__(self, model: WhisperModel | None = None, max_batch: int = 16,
-                 batch_wait_s: float = 0.02, threads: int = WHISPER_THREADS) -> None:
+                 batch_wait_s: float = 0.02, threads: int | None = None) -> None:
         self._model = model
-        self.threads = threads
+        # Intra-op threads ($RTSERVE_WHISPER_THREADS, default one): beside the LLM engine and the TTS threads on a
+        # small CPU, a Whisper turn with two threads stalls at every parallel op waiting for the other thread.
+        self.threads = settings.integer("RTSERVE_WHISPER_THREADS") if threads is None else threads
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s  # after an idle wake-up, wait this long for company
         self.stats = TranscriberStats()

@@ -4,21 +4,21 @@ Piper's VITS graph is split once (cached under ``$RTSERVE_CACHE``) at the input 
 *encoder* (phonemes → latent frames: text encoder, durations, flow) and a *vocoder* (frames → audio, 256 samples a
 frame).  The vocoder is convolutional with a receptive field under ``MARGIN_FRAMES`` frames, so a window of frames
 vocoded with that margin on each side gives the same samples as the whole sentence (checked to 1e-4 in the tests).
-A ``SpeechStream`` therefore speaks in steps: encode a sentence, then vocode ``FIRST_CHUNK_FRAMES`` (~0.28 s of
-audio), then windows that double up to ``CHUNK_FRAMES`` (~1.1 s), so each is made while the one before plays.  For
-"The capital of France" the first audio cost ~47 ms of work instead of the whole clause's ~90 ms (before the 2-D
-rewrite), and it stays ~50 ms for a long sentence.  ``rtserve bench tts`` measures a burst of first clauses both ways.
+A ``SpeechStream`` therefore speaks in steps: encode a sentence, then vocode ``FIRST_CHUNK_FRAMES`` (about a quarter
+second of audio), then windows that double up to ``CHUNK_FRAMES`` (about a second), so each is made while the one
+before plays, and the first audio of a clause costs a fraction of the whole clause's work, whatever the sentence's
+length.  ``rtserve bench tts`` measures a burst of first clauses both ways (docs/benchmarks.md).
 Both halves run their 1-D convolutions as 2-D ones (``conv1d_as_2d``: onnxruntime's faster kernels).
 
-``TTSWorker`` runs streams on ``TTS_THREADS`` threads (each with its own voice instance and one ONNX intra-op
-thread: on the 2-core box two such threads finished 8 clauses in ~1.03 s vs ~1.75 s for one thread with
-onnxruntime's default pool).  Between steps a thread takes the job whose listener runs out of audio first
-(earliest deadline: when its first audio went out plus the audio sent since, or when it was asked for if none
-went out yet), so with many replies starting at once everyone's first audio comes before anyone's later chunks;
-and no reply's audio is made more than ``LOOKAHEAD_S`` ahead of its listener.
+``TTSWorker`` runs streams on ``$RTSERVE_TTS_THREADS`` threads (each with its own voice instance and one ONNX
+intra-op thread: on a small CPU, threads with one ONNX thread each get more done than one thread with onnxruntime's
+default pool).  Between steps a thread takes the job whose listener runs out of audio first (earliest deadline: when
+its first audio went out plus the audio sent since, or when it was asked for if none went out yet), so with many
+replies starting at once everyone's first audio comes before anyone's later chunks; and no reply's audio is made more
+than ``lookahead`` seconds (``$RTSERVE_TTS_LOOKAHEAD_S``) ahead of its listener.
 
 Loudness: piper scales each sentence to full peak, which needs the whole sentence first; streams apply a fixed
-``GAIN`` instead (this voice's sentence peaks are 0.39–0.62), so pieces of one reply are equally loud.
+``GAIN`` instead (it brings this voice's loudest sentences near full scale), so pieces of one reply are equally loud.
 """
 
 from __future__ import annotations
@@ -36,25 +36,18 @@ from pathlib import Path
 
 import numpy as np
 
-from . import cache_dir
+from kernels import settings
+
 from .codecs import AudioFormat, encode_audio, parse_audio_format
-from .resample import StreamResampler, resample
+from .resample import StreamResampler
 
 VOICE_RATE = 22_050
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
-TTS_THREADS = int(os.environ.get("RTSERVE_TTS_THREADS", "2"))  # synthesis threads (one voice + one ONNX thread each)
-FIRST_CHUNK_FRAMES = 24  # first vocoder run of a stream: ~0.28 s of audio for ~20 ms of work
-CHUNK_FRAMES = 96  # later runs (~1.1 s of audio; each costs 2 × MARGIN_FRAMES of overlap)
+FIRST_CHUNK_FRAMES = 24  # first vocoder run of a stream: short, so the first audio comes soon
+CHUNK_FRAMES = 96  # later runs (each costs 2 × MARGIN_FRAMES of overlap, so longer ones waste less)
 MARGIN_FRAMES = 11  # vocoder context on each side of a window: its receptive field is 10.7 frames (see _vocode)
 GAIN = 1.6  # fixed output gain (see the module docstring)
-# A reply's audio is made at most this far ahead of its listener: later windows wait, leaving the CPU to work that
-# someone waits on now (other turns' transcription, prefill, first audio). Steps take ≤ ~0.3 s even under load.
-LOOKAHEAD_S = float(os.environ.get("RTSERVE_TTS_LOOKAHEAD_S", "1.0"))
-# While the worker's `yield_to` says that work upstream of someone's first audio is running (a turn's transcription,
-# a reply decoding towards its first piece), audio whose listener still has more than this much to play waits for it
-# (polled every YIELD_POLL_S).
-YIELD_SLACK_S = float(os.environ.get("RTSERVE_TTS_YIELD_SLACK_S", "0.4"))
-YIELD_POLL_S = 0.02
+YIELD_POLL_S = 0.02  # how often audio held back for urgent work elsewhere checks again (see TTSWorker)
 _DECODER_INPUT_NODE = "/dec/conv_pre/Conv"  # the HiFi-GAN's first conv in piper's VITS export
 
 
@@ -78,7 +71,7 @@ def split_voice(model: Path, cache: Path | None = None) -> tuple[Path, Path] | N
     does not have the expected shape (a multi-speaker voice, another exporter) — then it runs whole. Both halves get
     their 1-D convolutions as 2-D ones (``conv1d_as_2d``)."""
     st = model.stat()
-    out = Path(cache or cache_dir()) / "piper" / f"{model.stem}-{st.st_size}-{int(st.st_mtime)}-2d"
+    out = Path(cache or settings.cache_dir()) / "piper" / f"{model.stem}-{st.st_size}-{int(st.st_mtime)}-2d"
     enc, voc = out / "encoder.onnx", out / "vocoder.onnx"
     if enc.exists() and voc.exists():
         return enc, voc
@@ -109,10 +102,8 @@ def split_voice(model: Path, cache: Path | None = None) -> tuple[Path, Path] | N
 def conv1d_as_2d(model) -> int:
     """Rewrite each 1-D ``Conv`` / ``ConvTranspose`` whose weight is a constant of the graph as a 2-D one of height 1
     (Unsqueeze, Conv, Squeeze), in place; returns how many. Why: onnxruntime's blocked (NCHWc) convolution kernels
-    take only 2-D convolutions, and the rest go through im2col + GEMM. Measured on one thread, interleaved in one
-    process (docs/benchmarks.md): the vocoder 35.8 -> 28.0 ms for a 40-frame window and 117.9 -> 91.5 ms for 128
-    frames, the encoder 99.5 -> 88.7 ms for a 12-word sentence; the samples agree to ~1e-7 (only the summation order
-    changes)."""
+    take only 2-D convolutions, and the rest go through im2col + GEMM; both halves run faster this way
+    (docs/benchmarks.md). The samples agree up to rounding (only the summation order changes)."""
     from onnx import helper, numpy_helper
 
     g = model.graph
@@ -224,8 +215,8 @@ class Synthesizer:
 
         The margin is the HiFi-GAN's receptive field, in frames of 256 samples: conv_pre (kernel 7) 3, the first
         upsampling 1, its widest resblock (kernel 7, dilations 3 and 12: 45 samples at 8x) 5.6, all later stages
-        together 1.0; 10.7 in all. With 11 the windows equal the whole sentence to ~1e-6 (tests/test_audio_tts.py);
-        with 8 they differ by up to ~5e-3 of full scale."""
+        together 1.0; 10.7 in all. With 11 the windows equal the whole sentence up to rounding
+        (tests/test_audio_tts.py); with fewer they do not."""
         lo, hi = max(0, start - MARGIN_FRAMES), min(z.shape[2], stop + MARGIN_FRAMES)
         y = self.vocoder.run(None, {self.vocoder.get_inputs()[0].name: np.ascontiguousarray(z[:, :, lo:hi])})[0]
         return y.reshape(-1)[(start - lo) * self.hop:(stop - lo) * self.hop]
@@ -401,7 +392,8 @@ class SpeechJob:
 
 
 class TTSWorker:
-    """Shared synthesis threads for all sessions (``threads``, default ``TTS_THREADS``), scheduled by deadline.
+    """Shared synthesis threads for all sessions (``threads``, default ``$RTSERVE_TTS_THREADS``: one voice instance
+    and one ONNX intra-op thread each), scheduled by deadline.
 
     Each thread uses its own voice instance (the first is the process-wide one). A thread runs one step of the
     job with the earliest ``SpeechClock.deadline()`` (ties: submission order), then picks again. With a given
@@ -409,17 +401,25 @@ class TTSWorker:
 
     ``yield_to`` (the gateway passes `AudioStage.first_audio_pending`: a turn is being transcribed or a reply is
     decoding towards its first piece) makes audio that is not yet due wait while it says True: a listener with more
-    than YIELD_SLACK_S of audio left to play can wait, a user whose turn just ended is waiting now, and on a 2-core
-    machine every synthesis thread that runs slows that work down.
+    than ``yield_slack`` seconds of audio left to play can wait, a user whose turn just ended is waiting now, and on a
+    small CPU every synthesis thread that runs slows that work down.
     """
 
-    def __init__(self, synthesizer: Synthesizer | None = None, threads: int = TTS_THREADS,
+    def __init__(self, synthesizer: Synthesizer | None = None, threads: int | None = None,
                  window_frames: tuple[int, int] = (FIRST_CHUNK_FRAMES, CHUNK_FRAMES),
-                 lookahead: float = LOOKAHEAD_S, yield_to: Callable[[], bool] | None = None) -> None:
+                 lookahead: float | None = None, yield_to: Callable[[], bool] | None = None,
+                 yield_slack: float | None = None) -> None:
+        if threads is None:
+            threads = settings.integer("RTSERVE_TTS_THREADS")
         self.threads = 1 if synthesizer is not None else max(1, int(threads))
         self.window_frames = window_frames  # (first, largest) vocoder window; (big, big): one run per sentence
-        self.lookahead = lookahead
+        # A reply's audio is made at most this far ahead of its listener: later windows wait, leaving the CPU to work
+        # that someone waits on now (other turns' transcription, prefill, first audio).
+        self.lookahead = settings.number("RTSERVE_TTS_LOOKAHEAD_S") if lookahead is None else lookahead
         self.yield_to = yield_to  # True while more urgent work runs elsewhere (see _pick)
+        # While `yield_to` says that work upstream of someone's first audio is running (a turn's transcription, a
+        # reply decoding towards its first piece), audio whose listener still has more than this much to play waits.
+        self.yield_slack = settings.number("RTSERVE_TTS_YIELD_SLACK_S") if yield_slack is None else yield_slack
         self._given = synthesizer
         self._cv = threading.Condition()
         self._jobs: list[SpeechJob] = []
@@ -510,8 +510,8 @@ class TTSWorker:
         slack = best.clock.deadline() - time.monotonic()
         if slack > self.lookahead:
             return None, slack - self.lookahead
-        if slack > YIELD_SLACK_S and self.yield_to is not None and self.yield_to():
-            return None, min(YIELD_POLL_S, slack - YIELD_SLACK_S)
+        if slack > self.yield_slack and self.yield_to is not None and self.yield_to():
+            return None, min(YIELD_POLL_S, slack - self.yield_slack)
         return best, None
 
     def _cancel(self, job: SpeechJob) -> None:

@@ -20,7 +20,7 @@ CONTEXT = 64  # samples of the previous window that silero v5 prepends
 _MS_PER_SAMPLE = 1000 / SAMPLE_RATE
 
 SEMANTIC_EAGERNESS_MS = {"low": 800, "medium": 500, "high": 250, "auto": 500}
-# Silero's speech probability stays high for ~60-150 ms after a voice really stops (its recurrent state decays), so a
+# Silero's speech probability stays high for a while after a voice really stops (its recurrent state decays), so a
 # silence counted from silero's first quiet window starts late. When silero turns to silence, the run of windows just
 # before it that were already TAIL_DB below the turn's loudest window (at most MAX_TAIL_MS of them) counts as
 # silence too. With noise less than TAIL_DB under the voice no window qualifies, and silero's timing stands.
@@ -68,6 +68,16 @@ class VADEvent:
     audio_end_ms: int | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class Pause:
+    """A silence inside an open speech segment that has not yet lasted the silence window (it may still become the
+    turn's end). Milliseconds on the input timeline, like ``VADEvent``."""
+
+    speech_start_ms: int  # where the open segment starts (prefix padding included)
+    silence_start_ms: int  # where the silence began (the segment's end if the silence holds)
+    silence_ms: float  # how long the silence has lasted so far
+
+
 @dataclass(slots=True)
 class StreamingVAD:
     """Per-session streaming VAD; feed 16 kHz float audio of any chunk size, get events back."""
@@ -103,6 +113,14 @@ class StreamingVAD:
     def position_ms(self) -> int:
         """Milliseconds of audio the VAD has consumed."""
         return int(self._pos * _MS_PER_SAMPLE)
+
+    @property
+    def pause(self) -> Pause | None:
+        """The trailing silence of the open speech segment, or None (no speech, or the voice is on)."""
+        if self._speech_start is None or self._silence_start is None:
+            return None
+        return Pause(self._ms(self._speech_start), self._ms(self._silence_start),
+                     (self._pos - self._silence_start) * _MS_PER_SAMPLE)
 
     def reset(self, position_ms: int | None = None) -> None:
         """Forget state (e.g. after ``input_audio_buffer.clear``); keeps or moves the timeline."""

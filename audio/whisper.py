@@ -25,19 +25,18 @@ import numpy as np
 import torch
 
 import kernels
+from kernels import settings
 
-from . import cache_dir
 
 SAMPLE_RATE = 16_000
 WINDOW_SECONDS = 30
 WINDOW_SAMPLES = SAMPLE_RATE * WINDOW_SECONDS
 MAX_NEW_TOKENS = 224  # Whisper's own limit: half the 448-token text context
 HOP = 160  # log-mel hop: 100 frames per second; the encoder halves that to 50 positions per second
-# The encoder sees only the real audio plus padding, not the whole 30 s window (whisper.cpp's ``audio_ctx``): a 3 s
-# turn costs ~1/3 of the encoder time.  Too little context makes tiny.en loop ("What is X? What is X? ..."); at least
-# 10 s, and 1 s of padding after the audio, measured a word error rate no worse than the full window (30 questions,
-# piper + espeak, 60 clips: 9.9 % vs 11.8 %; with an 8 s floor 11.5 %).  Lengths are rounded up to whole seconds so
-# batches reuse a few shapes.
+# The encoder sees only the real audio plus padding, not the whole 30 s window (whisper.cpp's ``audio_ctx``), so a
+# short turn costs a fraction of the encoder's work.  Too little context makes tiny.en loop ("What is X? What is X?
+# ..."); a floor of 10 s, and 1 s of padding after the audio, keeps the word error rate no worse than the full window
+# (docs/benchmarks.md, Voice).  Lengths are rounded up to whole seconds so batches reuse a few shapes.
 MIN_CONTEXT_POSITIONS = 500
 CONTEXT_PAD_POSITIONS = 50
 POSITIONS_PER_SECOND = 50
@@ -233,8 +232,7 @@ class WhisperModel:
         self._suppress_begin[list(suppress_begin)] = True
         self._proj_packed = _pack_decoder(model) if pack and dtype == torch.bfloat16 else None
         # The encoder's GEMMs are prefill-sized (hundreds of positions). On a CPU without AMX, oneDNN's bf16 GEMMs and
-        # convolutions run slower than fp32 ones (one thread, a 3 s clip: 114 ms bf16 against 72 ms fp32, measured),
-        # so there the encoder runs in fp32 and hands the decoder bf16 states.
+        # convolutions run slower than fp32 ones, so there the encoder runs in fp32 and hands the decoder bf16 states.
         self.encoder_dtype = dtype
         if dtype == torch.bfloat16 and pack and kernels.packed_isa() in ("avx512", "avx512fp16"):
             model.model.encoder.float()
@@ -252,7 +250,7 @@ class WhisperModel:
 
         model_dir = Path(model_dir or package_model_dir())
         ct2_cfg = json.loads((model_dir / "config.json").read_text())
-        cache_path = Path(cache or cache_dir()) / "whisper-tiny.en"
+        cache_path = Path(cache or settings.cache_dir()) / "whisper-tiny.en"
         weights, cfg_file = cache_path / "model.safetensors", cache_path / "config.json"
         if not weights.exists() or not cfg_file.exists():
             if not (model_dir / "model.bin").exists():
@@ -298,7 +296,7 @@ class WhisperModel:
 
     @staticmethod
     def max_tokens_for(num_samples: int) -> int:
-        """A generous cap on transcript tokens for this much audio (speech runs ~4 tokens/s), so a decoder that
+        """A generous cap on transcript tokens for this much audio (well above what speech needs), so a decoder that
         falls into a repetition loop stops long before Whisper's 224-token limit."""
         return min(MAX_NEW_TOKENS, 16 + 10 * num_samples // SAMPLE_RATE)
 
@@ -375,8 +373,8 @@ class WhisperModel:
 
 def _pack_decoder(model) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Give the decoder's per-token linear layers the packed kernel (kernels.linear: AMX, or AVX-512 FMAs) where the CPU
-    has one: a decode step is a few rows, where oneDNN's bf16 GEMM was 2-4x slower, and the 51864-wide vocabulary
-    projection was ~40 % of the decoder's time. Returns the projection, padded to a multiple of 32 rows, and its packed
+    has one: a decode step is a few rows, where oneDNN's bf16 GEMM is slow, and the 51864-wide vocabulary projection
+    is a large share of the decoder's time. Returns the projection, padded to a multiple of 32 rows, and its packed
     form (None without a packed kernel)."""
     if kernels.packed_isa() is None:
         return None
@@ -410,8 +408,8 @@ class _Row:
 class Decoder:
     """Whisper's greedy decoder with continuous batching: rows (one audio window each) join between steps with their
     encoder output (``add``) and leave when done or dropped, like sequences in the LLM engine, so transcriptions that
-    start at different moments still share their decoder steps (a step of 8 rows took ~2x one of 1 row here: 7.8
-    against 3.7 ms).
+    start at different moments still share their decoder steps (a step of many rows costs far less than that many
+    steps of one row).
 
     Each step feeds one token per row at that row's own position: SOT (whose logits give the no-speech probability),
     then NO_TIMESTAMPS, then the last token. The self-attention cache is one preallocated tensor per layer with a
@@ -567,7 +565,7 @@ _shared_lock = threading.Lock()
 
 def default_dtype() -> torch.dtype:
     """bf16 (fast on AMX CPUs and GPUs) unless ``RTSERVE_WHISPER_DTYPE=float32`` asks for exact."""
-    name = os.environ.get("RTSERVE_WHISPER_DTYPE", "bfloat16")
+    name = settings.raw("RTSERVE_WHISPER_DTYPE")
     if name not in ("bfloat16", "float32", "float16"):
         raise WhisperLoadError(f"RTSERVE_WHISPER_DTYPE must be bfloat16, float32 or float16, got {name!r}")
     return getattr(torch, name)

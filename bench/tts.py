@@ -15,7 +15,8 @@ import asyncio
 import statistics
 import time
 
-from audio.tts import CHUNK_FRAMES, FIRST_CHUNK_FRAMES, TTS_THREADS, TTSWorker
+from audio.tts import CHUNK_FRAMES, FIRST_CHUNK_FRAMES, TTSWorker
+from kernels import settings
 
 PIECES = ["The capital of France", "A spider has eight legs.", "Sure, here is a short", "Albania is a small country",
           "The largest planet is Jupiter.", "Marcus Aurelius was a Roman", "One of the most famous",
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pieces", type=int, default=8, help="clauses submitted at once")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=TTS_THREADS)
+    ap.add_argument("--threads", type=int, default=settings.integer("RTSERVE_TTS_THREADS"))
     args = ap.parse_args(argv)
     asyncio.run(_run(args))
     return 0

@@ -17,11 +17,11 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
+from audio.stage import AudioStage
 from gateway import handshake, http_api
-from gateway.conversation import PromptRenderer
 from gateway.metrics import CONTENT_TYPE, Metrics
-from gateway.session import RealtimeSession, SessionLimits
-from gateway.voice import AudioStage
+from gateway.realtime.conversation import PromptRenderer
+from gateway.realtime.session import RealtimeSession, SessionLimits
 
 log = logging.getLogger("rtserve")
 WEB_DEMO_DIR = Path(__file__).resolve().parent.parent / "web_demo"

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
+
+from kernels import settings
 
 USAGE = """usage: rtserve serve [options]      run the OpenAI-compatible Realtime + HTTP server
        rtserve bench NAME [args]    run bench/NAME.py (e.g. `rtserve bench realtime --help`)"""
@@ -15,7 +16,7 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=os.environ.get("RTSERVE_API_KEY"),
+    ap.add_argument("--api-key", default=settings.raw("RTSERVE_API_KEY") or None,
                     help="require this key (Bearer header, openai-insecure-api-key. subprotocol or ?api-key=)")
     ap.add_argument("--allowed-origins", default=None,
                     help="comma-separated browser origins allowed besides same-origin pages ('*' for any)")
@@ -45,9 +46,8 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-audio", action="store_true",
                     help="text only: no VAD/Whisper/TTS (audio events answer audio_unavailable)")
     ap.add_argument("--ws-compression", action="store_true",
-                    help="offer permessage-deflate on WebSockets: base64 audio shrinks to ~62 %%, at ~3 ms of "
-                         "event-loop CPU per second of audio each way (off by default: a voice server here is "
-                         "CPU-bound)")
+                    help="offer permessage-deflate on WebSockets: base64 audio shrinks, at a cost in event-loop "
+                         "CPU for every second of audio each way (off by default: a voice server here is CPU-bound)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return ap
 
@@ -74,7 +74,7 @@ def serve(argv: list[str]) -> int:
     import uvicorn
 
     from gateway.app import WS_MAX_SIZE, Settings, create_app
-    from gateway.session import SessionLimits
+    from gateway.realtime.session import SessionLimits
 
     ns = serve_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -1,6 +1,6 @@
 """WebSocket handshake: subprotocol choice, dialect, authentication, origin check.
 
-Rules (see docs/realtime-protocol.md): echo `realtime` only when the client offered it and select nothing otherwise (the
+Rules (docs/gateway.md, Connecting): echo `realtime` only when the client offered it and select nothing otherwise (the
 Python SDK offers none and fails if one comes back; Chrome fails if it offered one and none is echoed). With an API key
 configured, a client authenticates by `Authorization: Bearer K`, the `openai-insecure-api-key.K` subprotocol (browsers),
 or `?api-key=K` (old relays).
@@ -11,7 +11,7 @@ import hmac
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from gateway import protocol as p
+from gateway.realtime import protocol as p
 
 KEY_PREFIX = "openai-insecure-api-key."
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"

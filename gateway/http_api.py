@@ -15,7 +15,7 @@ from starlette.responses import Response, StreamingResponse
 
 from engine import SamplingParams
 from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
-from gateway import protocol as p
+from gateway.realtime import protocol as p
 from gateway.handshake import bearer_ok
 from gateway.metrics import LatencyTimer
 

@@ -86,7 +86,7 @@ def server():
 
     from engine import AsyncEngine
     from gateway.app import WS_MAX_SIZE, Settings, create_app
-    from gateway.session import SessionLimits
+    from gateway.realtime.session import SessionLimits
 
     # the server's production configuration (`rtserve serve` defaults): bf16 on the embedded GGUF's own 4-bit blocks
     engine = AsyncEngine(kv_cache_memory="512MiB", max_num_seqs=64, dtype="bfloat16", quantization="gguf")

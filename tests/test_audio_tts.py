@@ -237,10 +237,8 @@ async def test_paced_audio_is_made_at_most_lookahead_ahead_of_its_listener():
 
 async def test_audio_not_yet_due_yields_to_urgent_work_elsewhere():
     """While `yield_to` says urgent work runs elsewhere (the gateway: Whisper has turns to transcribe), a reply's first
-    audio is still made, but later windows wait until its listener is within YIELD_SLACK_S of running out; once it
+    audio is still made, but later windows wait until its listener is within `yield_slack` of running out; once it
     says False they are made up to `lookahead` ahead again."""
-    from audio.tts import YIELD_SLACK_S
-
     busy = threading.Event()
     busy.set()
     worker = TTSWorker(get_synthesizer(), lookahead=1.5, yield_to=busy.is_set)
@@ -248,7 +246,7 @@ async def test_audio_not_yet_due_yields_to_urgent_work_elsewhere():
     job = worker.submit(text, "pcm16")
     made, lead = await _read_with_lead(job, until_seconds=2.5)
     assert made > 0 and len(lead) >= 2
-    assert max(lead) <= YIELD_SLACK_S + 0.05, lead   # held back to the slack, not the 1.5 s lookahead
+    assert max(lead) <= worker.yield_slack + 0.05, lead   # held back to the slack, not the 1.5 s lookahead
     busy.clear()
     t0, start = time.monotonic(), made
     async for raw in job.chunks():

@@ -11,7 +11,7 @@ import json
 import pytest
 import websockets
 
-from gateway.protocol import MAX_DEPTH
+from gateway.realtime.protocol import MAX_DEPTH
 from tests.test_gateway_realtime import BETA_EVENTS, Raw, expect_error, open_raw
 
 

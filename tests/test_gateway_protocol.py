@@ -6,9 +6,9 @@ from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
 from openai.types.realtime import RealtimeServerEvent as GAServerEvent
 from pydantic import TypeAdapter
 
-from gateway import protocol as p
-from gateway import session_config as sc
-from gateway.conversation import Conversation, Item, PromptRenderer, parse_item, to_messages
+from gateway.realtime import protocol as p
+from gateway.realtime import session_config as sc
+from gateway.realtime.conversation import Conversation, Item, PromptRenderer, parse_item, to_messages
 from gateway.handshake import negotiate
 
 GA_EVENTS, BETA_EVENTS = TypeAdapter(GAServerEvent), TypeAdapter(BetaServerEvent)

@@ -304,7 +304,7 @@ async def expect_error(raw: Raw, event: dict | str | bytes, code: str, param: st
 
 
 async def test_errors_each_answered_once_and_session_continues(server):
-    from gateway.protocol import MAX_FRAME_BYTES
+    from gateway.realtime.protocol import MAX_FRAME_BYTES
 
     raw = await open_raw(server, max_output_tokens=12)
     await expect_error(raw, "{not json", "invalid_json", None, None)

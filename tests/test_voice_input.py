@@ -86,17 +86,17 @@ async def test_bad_audio_input_errors_and_session_goes_on(server):
     # Nothing bad was kept: the buffer is empty, the conversation has no item.
     await expect_error(raw, {"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty")
     session = server.app.state.sessions[raw.session_id]
-    assert session.conversation.items == [] and session.voice().buf.duration_ms == 0
+    assert session.conversation.items == [] and session.audio_input().buf.duration_ms == 0
     # The buffer is capped (15 minutes): µ-law 8 kHz silence in 15 MiB appends hits the cap with an error.
     await raw.send({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}})
     assert (await raw.recv())["type"] == "session.updated"
     block = base64.b64encode(bytes([0xFF]) * (8000 * 600)).decode()  # 10 minutes of µ-law silence
     await raw.send({"type": "input_audio_buffer.append", "audio": block})
     await expect_error(raw, {"type": "input_audio_buffer.append", "audio": block}, "input_audio_buffer_full", "audio")
-    assert session.voice().buf.duration_ms == 600_000
+    assert session.audio_input().buf.duration_ms == 600_000
     await raw.send({"type": "input_audio_buffer.clear"})
     assert (await raw.recv())["type"] == "input_audio_buffer.cleared"
-    assert session.voice().buf.duration_ms == 0
+    assert session.audio_input().buf.duration_ms == 0
     # ... and the session still works: an input_audio item (µ-law now) is transcribed and answered.
     ulaw, _, _ = utterance(QUESTION, ULAW, tail_ms=200)
     part = {"type": "input_audio", "audio": base64.b64encode(ulaw).decode()}

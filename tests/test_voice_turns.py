@@ -79,7 +79,7 @@ async def test_truncate_rolls_back_history(server):
     await raw.until("conversation.item.done")
     await raw.send({"type": "response.create", "response": {"output_modalities": ["text"], "max_output_tokens": 8}})
     second = (await raw.until("response.done"))[-1]["response"]
-    prompt = session.rendered.text
+    prompt = session.history.rendered.text
     assert kept in prompt and "Thanks. Anything else?" in prompt
     after_kept = prompt[prompt.rindex(kept) + len(kept):].lstrip()
     assert unheard and not after_kept.startswith(unheard[:12]), (kept, unheard, prompt)  # the assistant turn ends there
@@ -185,8 +185,8 @@ async def _held_speculation(server, session_id: str, after=None):
     caught up with the audio sent since."""
     session = server.app.state.sessions[session_id]
     for _ in range(1200):
-        voice = session._voice
-        pre = voice.pregen if voice is not None else None
+        speculation = session.speculation
+        pre = speculation.pregen if speculation is not None else None
         if pre is not None and pre is not after and pre.finished and pre.spoken and \
                 all(job.finished for job in pre.spoken):
             return pre

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway import protocol as p
+from gateway.realtime import protocol as p
 
 MAX_ITEM_ID_LEN = 64
 

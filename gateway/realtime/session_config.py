@@ -9,7 +9,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from gateway import protocol as p
+from gateway.realtime import protocol as p
 
 # Models the beta SDK's `Session.model` literal accepts; other names are left out of beta session objects.
 BETA_MODELS = ("gpt-realtime", "gpt-realtime-2025-08-28", "gpt-4o-realtime-preview",

@@ -1,0 +1,71 @@
+"""The audio stage: the process-wide audio workers every Realtime session shares, like the LLM engine.
+
+It owns one batched Whisper transcriber and the TTS worker's synthesis threads, the speculation counters reported in
+/metrics, and the set of replies still waiting for their first spoken piece (which the TTS scheduler yields to).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+
+from audio.transcriber import Transcriber
+from audio.tts import SpeechClock, SpeechJob, TTSWorker
+
+FIRST_PIECE_URGENT_S = 2.0  # a reply decoding towards its first piece makes other audio wait (for at most this long)
+
+
+@dataclass(slots=True)
+class AudioStage:
+    """Shared audio workers. Created cheaply; `start()` spawns them (Whisper loads in its own thread).
+
+    Speech goes through the TTS worker's deadline scheduler in steps of a fraction of a second of audio: a reply's
+    pieces share one `SpeechClock`, and whichever listener runs out of audio first is served next, so with many
+    sessions replying at once each gets its first audio before anyone's later audio is made."""
+    transcriber: Transcriber | None = None
+    tts: TTSWorker | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    speculations: dict = field(default_factory=lambda: {"started": 0, "used": 0, "pregenerated": 0, "adopted": 0,
+                                                         "spoken": 0})
+    # replies (pregenerated or responding) whose first spoken piece is not cut yet: key -> when they started
+    awaiting_first_piece: dict = field(default_factory=dict)
+
+    def start(self) -> "AudioStage":
+        with self._lock:
+            if self.transcriber is None:
+                self.transcriber = Transcriber()
+            if self.tts is None:
+                self.tts = TTSWorker(yield_to=self.first_audio_pending)
+        return self
+
+    def first_audio_pending(self) -> bool:
+        """(any thread) Someone's first audio is on its way upstream of TTS: a turn being transcribed, or a reply
+        decoding towards its first piece. Audio whose listener still has plenty to play waits meanwhile."""
+        if self.transcriber is not None and self.transcriber.inflight > 0:
+            return True
+        now = time.monotonic()
+        return any(now - t < FIRST_PIECE_URGENT_S for t in list(self.awaiting_first_piece.values()))
+
+    async def warmup(self) -> None:
+        """Load the TTS voice (and Whisper, already loading in its thread) before the first caller waits on it."""
+        self.start()
+        with contextlib.suppress(Exception):
+            await self.tts.warmup()
+
+    def say(self, text: str, fmt, speed: float, clock: SpeechClock) -> SpeechJob:
+        """Queue `text` for synthesis as part of the reply timed by `clock`; read it with `job.chunks()`."""
+        return self.start().tts.submit(text, fmt, speed, clock)
+
+    def close(self) -> None:
+        if self.transcriber is not None:
+            self.transcriber.close()
+        if self.tts is not None:
+            self.tts.close()
+
+    def stats(self) -> dict:
+        tr = self.transcriber
+        return {"transcriber": tr.stats.snapshot() if tr is not None else None,
+                "transcriptions_inflight": tr.inflight if tr is not None else 0,
+                "speculative_transcriptions": dict(self.speculations),
+                "tts": dict(self.tts.stats) if self.tts is not None else {}}

@@ -1,0 +1,341 @@
+"""Running and finishing one response: from the user turn to `response.done`.
+
+`ActiveResponse` is the state of the session's single active response (its params, engine request, item, status,
+usage and output sink). `ResponseRunner` runs it: it waits for the user turn's transcripts, renders the prompt
+(append-only against the session's `PromptHistory`, dropping the oldest items when it does not fit), adopts the reply
+decoded during the pause when it is the same request, streams the engine's deltas into a `TextOutput` or an
+`audio_out.AudioOutput`, and finishes with the output item's done events and `response.done`. It also renders the reply
+a pause may end with (`pregenerate`), so a reply decoded ahead and the response that adopts it are built alike.
+`PromptHistory` owns the token ids the session has sent to the engine (last prompt + its answer), which the next turn
+extends and a truncate rolls back.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from audio.stage import AudioStage
+from engine import SamplingParams
+from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
+from gateway.metrics import LatencyTimer, Metrics
+from gateway.realtime import protocol as p
+from gateway.realtime import session_config as sc
+from gateway.realtime.audio_out import AudioOutput, SpeechPlan, output_format
+from gateway.realtime.conversation import Conversation, Item, PromptRenderer, Rendered, to_messages
+from gateway.realtime.speculation import Pregen
+
+if TYPE_CHECKING:
+    from gateway.realtime.audio_in import AudioInput
+    from gateway.realtime.speculation import Speculation
+
+log = logging.getLogger("rtserve.session")
+
+REALTIME_PRIORITY = 0  # realtime turns run before HTTP batch requests (priority 1)
+
+
+@dataclass(slots=True)
+class ActiveResponse:
+    id: str
+    params: sc.ResponseParams
+    request_id: str
+    items: list[Item] | None  # the prompt's items when they are not the conversation (`input` given)
+    output_modalities: list[str]
+    task: asyncio.Task | None = None
+    started: bool = False  # the task ran its first step (a task cancelled before that never runs its body)
+    cancel_reason: str | None = None
+    item: Item | None = None
+    status: str = "in_progress"
+    status_details: dict | None = None
+    usage: dict | None = None
+    output: Any = None  # the sink streaming this response (TextOutput | AudioOutput)
+
+    @property
+    def in_conversation(self) -> bool:
+        return self.params.conversation == "auto"
+
+    @property
+    def extends_session(self) -> bool:
+        """Whether this turn continues the session's append-only prompt (and may pin its blocks)."""
+        return self.in_conversation and self.items is None
+
+    @property
+    def audio_ms(self) -> int:
+        """How much audio the response has sent (0 for text)."""
+        return int(self.output.audio_ms) if isinstance(self.output, AudioOutput) else 0
+
+
+class TextOutput:
+    """Streams an `output_text` part: content_part.added → output_text.delta* → output_text.done/content_part.done."""
+
+    def __init__(self, send: Callable[[dict], None], resp: ActiveResponse) -> None:
+        self.send, self.resp = send, resp
+        self.part = {"type": "output_text", "text": ""}
+        resp.item.content.append(self.part)
+        self._ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0, "content_index": 0}
+        send({"type": "response.content_part.added", **self._ids, "part": {"type": "text", "text": ""}})
+
+    def delta(self, text: str) -> None:
+        self.part["text"] += text
+        self.send({"type": "response.output_text.delta", **self._ids, "delta": text})
+
+    def done(self) -> None:
+        text = self.part["text"]
+        self.send({"type": "response.output_text.done", **self._ids, "text": text})
+        self.send({"type": "response.content_part.done", **self._ids, "part": {"type": "text", "text": text}})
+
+
+class PromptHistory:
+    """The session's append-only prompt: the last prompt that continued the session plus its answer (`rendered`),
+    and that turn's (item id, prompt, output ids) for rolling back after a truncate."""
+
+    def __init__(self, renderer: PromptRenderer) -> None:
+        self.renderer = renderer
+        self.rendered: Rendered | None = None
+        self._last_turn: tuple[str, Rendered, list[int]] | None = None
+
+    def extend(self, item_id: str, prompt: Rendered, out_ids: list[int]) -> None:
+        self.rendered = self.renderer.extend(prompt, out_ids)
+        self._last_turn = (item_id, prompt, list(out_ids))
+
+    def rollback(self, item: Item) -> None:
+        """After a truncate of the last answer: the token history keeps only the output tokens whose text is still in
+        the item, so the next prompt extends it (prefix-cache hit up to the cut) instead of holding unheard text."""
+        if self._last_turn is None or self._last_turn[0] != item.id:
+            return  # older items: the next render no longer extends `rendered` and re-renders in full
+        _, prompt, out_ids = self._last_turn
+        kept = item.text()
+        lo, hi = 0, len(out_ids)  # the longest k whose text is a prefix of what is kept
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if kept.startswith(self.renderer.decode(out_ids[:mid])):
+                lo = mid
+            else:
+                hi = mid - 1
+        self.rendered = Rendered(prompt.text + self.renderer.decode(out_ids[:lo]), prompt.ids + out_ids[:lo])
+        self._last_turn = (item.id, prompt, out_ids[:lo])
+
+
+class ResponseRunner:
+    """Runs a session's responses (one at a time: the session holds the active one). `config()` is the session's
+    current config; `stage` is None on a server without audio (replies are then text)."""
+
+    def __init__(self, *, engine, renderer: PromptRenderer, metrics: Metrics, send: Callable[[dict], None],
+                 conversation: Conversation, history: PromptHistory, config: Callable[[], dict],
+                 dialect: str, stage: AudioStage | None, session_id: str, cache_salt: str | None,
+                 max_output_tokens: int) -> None:
+        self.engine, self.renderer, self.metrics, self.send = engine, renderer, metrics, send
+        self.conversation, self.history, self.config, self.dialect = conversation, history, config, dialect
+        self.stage = stage
+        self.session_id, self.cache_salt, self.max_output_tokens = session_id, cache_salt, max_output_tokens
+        self.stop_ids = stop_token_ids(engine.tokenizer)
+
+    # ---------------------------------------------------------------------------------------- starting
+    def announce(self, resp: ActiveResponse) -> None:
+        """response.created, then the capacity clients pace by."""
+        self.send({"type": "response.created", "response": self.response_dict(resp)})
+        self._send_rate_limits()
+
+    def _send_rate_limits(self) -> None:
+        """No quotas here: report the engine's capacity (sequences, KV tokens) as the limits clients pace by."""
+        stats = self.engine.stats()
+        args = getattr(getattr(self.engine, "engine", None), "args", None)
+        page = stats.get("kv_page_size", 1)
+        seqs = getattr(args, "max_num_seqs", 0)
+        self.send({"type": "rate_limits.updated", "rate_limits": [
+            {"name": "requests", "limit": seqs, "reset_seconds": 0.0,
+             "remaining": max(0, seqs - stats.get("requests_running", 0) - stats.get("requests_waiting", 0))},
+            {"name": "tokens", "limit": stats.get("kv_pages_total", 0) * page,
+             "remaining": stats.get("kv_pages_free", 0) * page,
+             "reset_seconds": 0.0}]})
+
+    def response_dict(self, resp: ActiveResponse) -> dict:
+        return {"id": resp.id, "object": "realtime.response", "status": resp.status,
+                "status_details": resp.status_details,
+                "output": [resp.item.to_dict()] if resp.item is not None else [],
+                "conversation_id": self.conversation.id if resp.in_conversation else None,
+                "output_modalities": resp.output_modalities,
+                "max_output_tokens": resp.params.max_output_tokens,
+                "audio": {"output": {"format": self.config()["audio"]["output"]["format"],
+                                     "voice": resp.params.voice}},
+                "metadata": resp.params.metadata, "usage": resp.usage}
+
+    # ---------------------------------------------------------------------------------------- the prompt
+    async def _render(self, items: list[Item], instructions: str, extends_session: bool) -> Rendered:
+        """Render the prompt (in a thread: templates and tokenizers are CPU work), dropping the oldest items while it
+        does not fit the model (OpenAI's `truncation: auto`)."""
+        previous = self.history.rendered if extends_session else None
+        limit = self.engine.max_model_len - 1
+        while True:
+            prompt, _ = await asyncio.to_thread(self.renderer.render, to_messages(items, instructions), previous)
+            if len(prompt.ids) < limit or len(items) <= 1 or self.config().get("truncation") == "disabled":
+                return prompt
+            items = items[1:]
+            previous = None
+
+    def _sampling(self, params: sc.ResponseParams, prompt: Rendered) -> SamplingParams:
+        room = self.engine.max_model_len - len(prompt.ids)
+        wanted = params.max_output_tokens
+        max_tokens = min(room, self.max_output_tokens if wanted == "inf" else wanted)
+        if max_tokens < 1:
+            raise PromptTooLongError(f"the conversation ({len(prompt.ids)} tokens) leaves no room to answer "
+                                     f"within the model's {self.engine.max_model_len}-token context")
+        return SamplingParams(max_tokens=max_tokens, temperature=params.temperature, stop_token_ids=self.stop_ids)
+
+    async def pregenerate(self, transcript: str) -> Pregen | None:
+        """Start decoding the reply to a turn that may be ending (server VAD pause): the prompt the response would
+        render if `transcript` were committed now. Nothing is sent; a response adopts it only if its prompt and
+        sampling turn out identical (see `run`), otherwise it is aborted."""
+        config = self.config()
+        params = sc.response_params(config, None, self.dialect)
+        pending = Item("pending", "message", role="user", content=[{"type": "input_audio", "transcript": transcript}])
+        settled = [it for it in self.conversation.items  # this turn's item, if committed already, is `pending`
+                   if not any(part.get("transcript", "") is None for part in it.content)]
+        prompt = await self._render([*settled, pending], params.instructions, True)
+        try:
+            sampling = self._sampling(params, prompt)
+        except PromptTooLongError:
+            return None
+        speech = None
+        if self.stage is not None and params.output_modalities == ["audio"]:  # the reply will be spoken: start on it
+            speech = SpeechPlan(self.stage, *output_format(config))
+        return Pregen(self.engine, f"{self.session_id}-{p.new_id('pre')}", prompt, sampling, speech=speech,
+                      priority=REALTIME_PRIORITY, cache_salt=self.cache_salt, session_id=self.session_id)
+
+    def _open_output(self, resp: ActiveResponse):
+        """The sink that turns text deltas into events: spoken when the response's modalities are ["audio"]."""
+        if self.stage is not None and resp.output_modalities == ["audio"]:
+            return AudioOutput(self.send, resp, self.stage, *output_format(self.config()),
+                               name=f"{self.session_id}-{resp.id}")
+        return TextOutput(self.send, resp)
+
+    # ---------------------------------------------------------------------------------------- running
+    async def run(self, resp: ActiveResponse, audio_in: AudioInput | None, speculation: Speculation | None) -> None:
+        """Run `resp` up to its response.done, which the session sends (CancelledError comes out only when the
+        session is closing). `audio_in`: the session's input side, whose committed speech is this turn's prompt;
+        `speculation`: where a reply decoded during the pause that ended the turn waits."""
+        resp.started = True
+        finished, out_ids, n_prompt, n_cached = False, [], 0, 0
+        prompt = None
+        output = None
+        try:
+            if audio_in is not None and resp.items is None:  # the committed speech is this turn's prompt
+                await audio_in.wait_transcripts()  # (commits sent before response.create already ran)
+            items = list(resp.items if resp.items is not None else self.conversation.items)
+            prompt = await self._render(items, resp.params.instructions, resp.extends_session)
+            sampling = self._sampling(resp.params, prompt)
+            pre = speculation.take_reply() if speculation is not None else None
+            if pre is not None and not (resp.extends_session and pre.matches(prompt, sampling)):
+                pre.cancel()
+                pre = None
+            resp.item = Item(p.new_id("item"), "message", role="assistant", status="in_progress")
+            self.send({"type": "response.output_item.added", "response_id": resp.id, "output_index": 0,
+                       "item": resp.item.to_dict()})
+            if resp.in_conversation:
+                before = self.conversation.insert(resp.item)
+                self.send({"type": "conversation.item.added", "previous_item_id": before,
+                           "item": resp.item.to_dict()})
+            output = resp.output = self._open_output(resp)
+            loop = asyncio.get_running_loop()
+            timer = LatencyTimer(self.metrics, "realtime", loop.time())
+            if pre is not None:  # decoded during the pause that ended the turn: same prompt, same sampling
+                self.stage.speculations["adopted"] += 1
+                spoken = pre.take_speech(*((output.fmt, output.speed) if isinstance(output, AudioOutput)
+                                           else (None, 0.0)))
+                if spoken:
+                    self.stage.speculations["spoken"] += len(spoken)
+                    output.adopt(spoken)
+                resp.request_id = pre.request_id
+                gen = pre.stream()
+            else:
+                gen = self.engine.generate(resp.request_id, prompt.ids, sampling, priority=REALTIME_PRIORITY,
+                                           cache_salt=self.cache_salt,
+                                           session_id=self.session_id if resp.extends_session else None)
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    out_ids.extend(out.new_token_ids)
+                    n_prompt, n_cached = out.num_prompt_tokens, out.num_cached_tokens
+                    if out.text_delta:
+                        timer.mark(loop.time())
+                        output.delta(out.text_delta)
+                    if out.finished:
+                        finished = True
+                        if out.finish_reason == "length":
+                            resp.status = "incomplete"
+                            resp.status_details = {"type": "incomplete", "reason": "max_output_tokens"}
+                        elif out.finish_reason == "abort":
+                            resp.status = "cancelled"
+                            resp.status_details = {"type": "cancelled", "reason": "client_cancelled"}
+                        else:
+                            resp.status = "completed"
+                            resp.status_details = None
+            if isinstance(output, AudioOutput):
+                await output.finish()  # the rest of the reply is spoken before response.done
+        except asyncio.CancelledError:
+            if isinstance(output, AudioOutput):
+                output.cancel()
+            if not finished:
+                await self._abort(resp.request_id)
+            if resp.cancel_reason is None:  # the session is closing: nobody to tell
+                raise
+            resp.status = "cancelled"
+            resp.status_details = {"type": "cancelled", "reason": resp.cancel_reason}
+        except (PromptTooLongError, InvalidRequestError) as exc:
+            resp.status = "failed"
+            resp.status_details = {"type": "failed", "error": {"type": "invalid_request_error",
+                                                               "code": type(exc).__name__, "message": str(exc)}}
+        except EngineError as exc:
+            resp.status = "failed"
+            resp.status_details = {"type": "failed", "error": {"type": "server_error", "code": "engine_error",
+                                                               "message": str(exc)}}
+        except Exception as exc:
+            log.exception("response %s failed", resp.id)
+            resp.status = "failed"
+            resp.status_details = {"type": "failed", "error": {"type": "server_error", "code": None,
+                                                               "message": f"internal error: {exc}"}}
+        self.finish(resp, prompt, output, out_ids, n_prompt, n_cached)
+
+    async def _abort(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self.engine.abort(request_id))
+
+    # ---------------------------------------------------------------------------------------- finishing
+    def finish(self, resp: ActiveResponse, prompt: Rendered | None, output, out_ids: list[int], n_prompt: int,
+               n_cached: int) -> None:
+        """The output item's done events, the session's prompt history extended by this turn, the usage; the session
+        then sends response.done (`send_done`) once it no longer holds the response as active."""
+        if resp.item is not None:
+            resp.item.status = "completed" if resp.status == "completed" else "incomplete"
+            if output is not None:
+                output.done()
+            item = resp.item.to_dict()
+            self.send({"type": "response.output_item.done", "response_id": resp.id, "output_index": 0,
+                       "item": item})
+            if resp.in_conversation and resp.item.id in self.conversation:
+                index = next(i for i, it in enumerate(self.conversation.items) if it.id == resp.item.id)
+                before = self.conversation.items[index - 1].id if index else None
+                self.send({"type": "conversation.item.done", "previous_item_id": before, "item": item})
+        if resp.extends_session and prompt is not None and resp.item is not None:
+            self.history.extend(resp.item.id, prompt, out_ids)
+        n_out = len(out_ids)
+        resp.usage = {"total_tokens": n_prompt + n_out, "input_tokens": n_prompt, "output_tokens": n_out,
+                      "input_token_details": {"text_tokens": n_prompt, "audio_tokens": 0, "image_tokens": 0,
+                                              "cached_tokens": n_cached,
+                                              "cached_tokens_details": {"text_tokens": n_cached,
+                                                                        "audio_tokens": 0, "image_tokens": 0}},
+                      "output_token_details": {"text_tokens": n_out, "audio_tokens": 0}}
+
+    def send_done(self, resp: ActiveResponse) -> None:
+        self.send({"type": "response.done", "response": self.response_dict(resp)})
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """EOS plus the chat template's end-of-turn token, so answers end where the template closes a message."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+            ids.add(tid)
+    return sorted(ids)

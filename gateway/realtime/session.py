@@ -1,0 +1,450 @@
+"""One Realtime WebSocket session: the connection's state and its event handlers.
+
+The session owns the connection's state: the session config, the conversation, the single active response, the
+prompt history the engine has seen, the outgoing queue, and (created on the first audio input) its `AudioInput` and
+`Speculation`. Incoming events are handled one at a time, in order, by `_on_<event>` handlers; a handler either
+answers at once or starts the active response as a task run by `ResponseRunner`. Every outgoing event goes through
+`send()`, which translates it for the connection's dialect and puts it on a bounded queue drained by one writer task:
+the engine and other sessions never wait for a slow client, and a client whose queue overflows (or whose socket stays
+blocked too long) is disconnected.
+
+A voice turn flows one way (a server without the audio stage answers audio events with `audio_unavailable`):
+audio_in (buffer, VAD, commits) → turn events, which this session handles (`TurnEvents`: barge-in, pause work in
+speculation, the committed item, the automatic response) → the transcript, which the response waits for → response →
+text or audio_out. Truncate cuts the assistant part to what was heard and rolls the prompt history back to match, so
+the next prompt still extends it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from audio.stage import AudioStage
+from gateway.handshake import Handshake
+from gateway.metrics import Metrics
+from gateway.realtime import protocol as p
+from gateway.realtime import session_config as sc
+from gateway.realtime.audio_in import AudioInput, Span
+from gateway.realtime.audio_out import AudioOutput
+from gateway.realtime.conversation import Conversation, Item, PromptRenderer, parse_item, truncate_part
+from gateway.realtime.response import ActiveResponse, PromptHistory, ResponseRunner
+from gateway.realtime.speculation import SPECULATE_AFTER_MS, Speculation
+
+log = logging.getLogger("rtserve.session")
+
+
+@dataclass(slots=True)
+class SessionLimits:
+    send_queue_max: int = 4096  # outgoing frames buffered per connection before the client counts as stalled
+    send_timeout_s: float = 20.0  # one frame blocked this long on the socket → disconnect
+    max_output_tokens: int = 4096
+
+
+class RealtimeSession:
+    def __init__(self, ws: WebSocket, engine, renderer: PromptRenderer, metrics: Metrics, hs: Handshake,
+                 limits: SessionLimits | None = None, audio: AudioStage | None = None) -> None:
+        self.ws, self.engine, self.metrics, self.hs = ws, engine, metrics, hs
+        self.limits = limits or SessionLimits()
+        self.dialect = hs.dialect
+        self.id = p.new_id("sess")
+        self.config = sc.default_session(self.id, hs.model or engine.model_name)
+        self.conversation = Conversation()
+        self.active: ActiveResponse | None = None
+        self.history = PromptHistory(renderer)  # the append-only prompt state (last prompt + its answer)
+        self.audio = audio
+        self.audio_in: AudioInput | None = None  # created on the first audio input (loads nothing before)
+        self.speculation: Speculation | None = None  # (with audio_in) the work done inside a pause
+        self.responses = ResponseRunner(engine=engine, renderer=renderer, metrics=metrics, send=self.send,
+                                        conversation=self.conversation, history=self.history,
+                                        config=lambda: self.config, dialect=self.dialect, stage=audio,
+                                        session_id=self.id, cache_salt=hs.cache_salt,
+                                        max_output_tokens=self.limits.max_output_tokens)
+        self._intent_transcription = hs.intent == "transcription"
+        self.closed = asyncio.Event()
+        self.close_reason: str | None = None
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue(self.limits.send_queue_max)
+
+    @property
+    def transcribe_only(self) -> bool:
+        """A transcription session (`?intent=transcription`, or GA `session.type: "transcription"`): committed audio
+        is transcribed and no response is ever created."""
+        return self._intent_transcription or self.config["type"] == "transcription"
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    async def run(self) -> None:
+        """Serve the accepted connection until it closes; frees the engine request and pinned blocks on the way out."""
+        self.metrics.sessions_active.inc()
+        writer = asyncio.create_task(self._writer(), name=f"{self.id}-writer")
+        reader = asyncio.create_task(self._reader(), name=f"{self.id}-reader")
+        closer = asyncio.create_task(self.closed.wait())
+        try:
+            self.send({"type": "session.created", "session": sc.render(self.config, self.dialect)})
+            if self.dialect == p.BETA:
+                self.send({"type": "conversation.created",
+                           "conversation": {"id": self.conversation.id, "object": "realtime.conversation"}})
+            await asyncio.wait({writer, reader, closer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await self._teardown(reader, writer, closer)
+            self.metrics.sessions_active.dec()
+
+    async def _teardown(self, *tasks: asyncio.Task) -> None:
+        if self.speculation is not None:
+            self.speculation.drop()
+        if self.audio_in is not None:
+            self.audio_in.close()
+        resp = self.active
+        if resp is not None and resp.task is not None:
+            resp.task.cancel()
+            with contextlib.suppress(BaseException):
+                await resp.task
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks, timeout=5.0)  # a send stuck on a dead socket must not hold the session open
+        self.engine.release_session(self.id)
+        if self.close_reason and self.close_reason != "client closed":
+            log.info("session %s closed: %s", self.id, self.close_reason)
+
+    def close(self, reason: str) -> None:
+        if not self.closed.is_set():
+            self.close_reason = reason
+            self.closed.set()
+
+    # --------------------------------------------------------------------------------------------- outgoing
+    def send(self, event: dict) -> None:
+        """Queue one GA-shaped server event (never blocks); a full queue means the client stopped reading."""
+        if self.closed.is_set():
+            return
+        event = p.to_dialect({"event_id": p.new_id("event"), **event}, self.dialect)
+        if event is None:
+            return
+        try:
+            self._queue.put_nowait(p.dumps(event))
+        except asyncio.QueueFull:
+            self.close(f"client not reading: {self.limits.send_queue_max} events queued")
+
+    async def _writer(self) -> None:
+        while not self.closed.is_set():  # also the exit when a cancel was swallowed by a send finishing at once
+            frame = await self._queue.get()
+            try:
+                await asyncio.wait_for(self.ws.send_text(frame), self.limits.send_timeout_s)
+            except asyncio.TimeoutError:
+                self.close(f"client not reading: a send blocked {self.limits.send_timeout_s:.0f} s")
+                return
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                self.close("client closed")
+                return
+
+    # --------------------------------------------------------------------------------------------- incoming
+    async def _reader(self) -> None:
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                self.close("client closed")
+                return
+            data = message.get("text")
+            if data is None:
+                data = message.get("bytes") or b""
+            event: Any = None
+            try:
+                event = p.parse_frame(data)
+                handler = self._handlers.get(event["type"])
+                if handler is None:
+                    raise p.ProtocolError(f"Invalid value: '{event['type'][:100]}'. Supported values are: "
+                                          + ", ".join(f"'{t}'" for t in self._handlers) + ".", "invalid_value",
+                                          "type")
+                if self.audio_in is not None and self.audio_in.busy:  # keep client order behind queued audio work
+                    self.audio_in.submit(_deferred(handler, self, event), p.client_event_id(event))
+                else:
+                    handler(self, event)
+            except p.ProtocolError as err:
+                self.send(p.error_event(err, p.client_event_id(event)))
+            except Exception as exc:  # a bug must not end the session silently
+                log.exception("session %s: handler failed", self.id)
+                self.send(p.error_event(p.ProtocolError(f"Internal error: {exc}", None, None, "server_error"),
+                                        p.client_event_id(event)))
+
+    # --------------------------------------------------------------------------------------------- handlers
+    def _on_session_update(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "session"}, "")
+        update = p.get_dict(event, "session", "session", required=True)
+        self.config = sc.apply_update(self.config, update, self.dialect)
+        if self.audio_in is not None:
+            self.audio_in.configure(self.config["audio"]["input"])
+        self.send({"type": "session.updated", "session": sc.render(self.config, self.dialect)})
+
+    def _on_item_create(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "item", "previous_item_id"}, "")
+        raw = p.get_dict(event, "item", "item", required=True)
+        previous = p.get_str(event, "previous_item_id", "previous_item_id", nullable=True)
+        item = parse_item(raw, "item")
+        if not self._check_audio_parts(item):
+            self.add_item(item, previous)
+            return
+        audio_in = self.audio_input()
+
+        async def op() -> None:  # decode (a bad clip adds nothing), add, then transcribe
+            clips = await audio_in.decode_parts(item)
+            self.add_item(item, previous)
+            audio_in.transcribe_parts(item, clips)
+        audio_in.submit(op, p.client_event_id(event))
+
+    def add_item(self, item: Item, previous_item_id: str | None = None) -> None:
+        """Insert into the conversation and announce it."""
+        before = self.conversation.insert(item, previous_item_id)
+        self.send({"type": "conversation.item.added", "previous_item_id": before, "item": item.to_dict()})
+        self.send({"type": "conversation.item.done", "previous_item_id": before, "item": item.to_dict()})
+
+    def _on_item_delete(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "item_id"}, "")
+        item_id = p.get_str(event, "item_id", "item_id", required=True)
+        self._check_not_generating(item_id)
+        self.conversation.delete(item_id)
+        self.send({"type": "conversation.item.deleted", "item_id": item_id})
+
+    def _on_item_retrieve(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "item_id"}, "")
+        item = self.conversation.get(p.get_str(event, "item_id", "item_id", required=True))
+        self.send({"type": "conversation.item.retrieved", "item": item.to_dict(include_audio=True)})
+
+    def _on_item_truncate(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "item_id", "content_index", "audio_end_ms"}, "")
+        item_id = p.get_str(event, "item_id", "item_id", required=True)
+        index = p.get_int(event, "content_index", "content_index", required=True, lo=0)
+        end_ms = p.get_int(event, "audio_end_ms", "audio_end_ms", required=True, lo=0)
+        item = self.conversation.get(item_id)
+        if item.type != "message" or item.role != "assistant":
+            raise p.ProtocolError("Only assistant messages can be truncated.", "invalid_value", "item_id")
+        resp = self.active
+        if resp is not None and resp.item is item and resp.task is not None:
+            # The item is still being generated: the client stopped playing it (barge-in). SDK clients send
+            # response.cancel and the truncate back to back, before response.done; a bare truncate means the same.
+            # Stop the reply (response.done, cancelled), then truncate what was generated up to there.
+            self.cancel_response("client_cancelled")
+            event_id = p.client_event_id(event)
+            resp.task.add_done_callback(lambda _: self._truncate_after_response(item, index, end_ms, event_id))
+            return
+        self._truncate(item, index, end_ms)
+
+    def _truncate_after_response(self, item: Item, index: int, end_ms: int, event_id) -> None:
+        if self.closed.is_set():
+            return
+        try:
+            self.conversation.get(item.id)
+            self._truncate(item, index, end_ms)
+        except p.ProtocolError as err:
+            self.send(p.error_event(err, event_id))
+
+    def _truncate(self, item: Item, index: int, end_ms: int) -> None:
+        if index >= len(item.content):
+            raise p.bad_value("content_index", index, f"an index below {len(item.content)}")
+        item_id = item.id
+        truncate_part(item, index, end_ms)
+        self.history.rollback(item)
+        self.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": index,
+                   "audio_end_ms": end_ms})
+
+    def _on_response_create(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "response"}, "")
+        if self.active is not None:
+            raise p.ProtocolError(f"Conversation already has an active response in progress: {self.active.id}. "
+                                  "Wait until the response is finished before creating a new one.",
+                                  "conversation_already_has_active_response", None)
+        if self.transcribe_only:
+            raise p.ProtocolError("This is a transcription session (intent=transcription or session.type "
+                                  "\"transcription\"): it transcribes input audio and creates no responses.",
+                                  "invalid_request", "type")
+        self.start_response(event.get("response"))
+
+    def _on_response_cancel(self, event: dict) -> None:
+        p.check_known(event, {"type", "event_id", "response_id"}, "")
+        response_id = p.get_str(event, "response_id", "response_id", nullable=True)
+        if self.active is None or (response_id and response_id != self.active.id):
+            raise p.ProtocolError("Cancellation failed: no active response found.", "response_cancel_not_active",
+                                  "response_id" if response_id else None)
+        self.cancel_response("client_cancelled")
+
+    def _on_audio_unavailable(self, event: dict) -> None:
+        raise p.ProtocolError(f"{event['type']} is not available: this server runs without the audio stage.",
+                              "audio_unavailable", "type")
+
+    def _require_audio(self, event: dict) -> None:
+        """Audio events on a server without the audio stage answer `audio_unavailable` before any field check."""
+        if self.audio is None:
+            self._on_audio_unavailable(event)
+
+    def _on_append(self, event: dict) -> None:
+        self._require_audio(event)
+        p.check_known(event, {"type", "event_id", "audio"}, "")
+        audio = p.get_str(event, "audio", "audio", required=True)
+        if not audio:
+            raise p.ProtocolError("audio is empty.", "invalid_value", "audio")
+        self.audio_input().submit_append(audio, p.client_event_id(event))
+
+    def _on_commit(self, event: dict) -> None:
+        self._require_audio(event)
+        p.check_known(event, {"type", "event_id"}, "")
+        audio_in = self.audio_input()
+        audio_in.submit(audio_in.commit, p.client_event_id(event))
+
+    def _on_clear(self, event: dict) -> None:
+        self._require_audio(event)
+        p.check_known(event, {"type", "event_id"}, "")
+        audio_in = self.audio_input()
+        audio_in.submit(audio_in.clear, p.client_event_id(event))
+
+    def _on_output_audio_clear(self, event: dict) -> None:
+        """Stop the active response's audio (its text goes on); the client drops what it has not played."""
+        self._require_audio(event)
+        p.check_known(event, {"type", "event_id"}, "")
+        resp = self.active
+        if resp is None or not isinstance(resp.output, AudioOutput):
+            raise p.ProtocolError("No response audio is being produced.", "response_audio_not_active", None)
+        resp.output.mute()
+        self.send({"type": "output_audio_buffer.cleared", "response_id": resp.id})
+
+    _handlers = {
+        "session.update": _on_session_update,
+        "conversation.item.create": _on_item_create,
+        "conversation.item.delete": _on_item_delete,
+        "conversation.item.retrieve": _on_item_retrieve,
+        "conversation.item.truncate": _on_item_truncate,
+        "response.create": _on_response_create,
+        "response.cancel": _on_response_cancel,
+        "input_audio_buffer.append": _on_append,
+        "input_audio_buffer.commit": _on_commit,
+        "input_audio_buffer.clear": _on_clear,
+        "output_audio_buffer.clear": _on_output_audio_clear,
+    }
+
+    # ------------------------------------------------------------------------- turn events (from AudioInput)
+    def speech_started(self, interrupt: bool) -> None:
+        self.speculation.drop()
+        if interrupt and self.active is not None:
+            self.cancel_response("turn_detected")
+
+    def paused(self, span: Span, audio_16k: np.ndarray) -> None:
+        self.speculation.start(span, audio_16k)
+
+    def resumed(self) -> None:
+        self.speculation.drop()
+
+    def speech_stopped(self, span: Span) -> asyncio.Task | None:
+        return self.speculation.take_transcript(span)
+
+    def committed(self, item: Item) -> None:
+        previous = self.conversation.items[-1].id if self.conversation.items else None
+        self.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item.id})
+        self.add_item(item)
+
+    def turn_ended(self, create_response: bool) -> None:
+        if create_response and not self.transcribe_only and self.active is None:
+            self.start_response(None)
+        else:
+            self.speculation.drop_reply()
+
+    def _reply_wanted(self, turn_ended: bool) -> bool:
+        """(for Speculation) An automatic response is coming for the pausing turn: none is active yet, or, once the
+        turn ended, the active one has not rendered its prompt yet."""
+        active = self.active
+        waiting = (active is not None and active.item is None) if turn_ended else active is None
+        return waiting and self.audio_in.create_response and not self.transcribe_only
+
+    # ------------------------------------------------------------------------------------------ responses
+    def start_response(self, raw: dict | None) -> ActiveResponse:
+        """Create the single active response (response.create, or server VAD at the end of a turn)."""
+        params = sc.response_params(self.config, raw, self.dialect)
+        items = self._resolve_input(params.input) if params.input is not None else None
+        modalities = params.output_modalities if self.audio is not None else ["text"]
+        resp = ActiveResponse(p.new_id("resp"), params, request_id=None, items=items, output_modalities=modalities)
+        resp.request_id = f"{self.id}-{resp.id}"
+        self.active = resp
+        self.responses.announce(resp)
+        resp.task = asyncio.create_task(self._respond(resp), name=resp.id)
+        return resp
+
+    async def _respond(self, resp: ActiveResponse) -> None:
+        try:
+            await self.responses.run(resp, self.audio_in, self.speculation)
+        except asyncio.CancelledError:  # the session is closing: nobody to tell
+            self.active = None
+            raise
+        self._response_over(resp)
+
+    def cancel_response(self, reason: str) -> bool:
+        """Cancel the active response (client_cancelled | turn_detected); its task sends response.done."""
+        resp = self.active
+        if resp is None or resp.cancel_reason is not None:
+            return False
+        resp.cancel_reason = reason
+        resp.task.cancel()
+        if not resp.started:  # cancelled in the same batch of events as its response.create
+            resp.status = "cancelled"
+            resp.status_details = {"type": "cancelled", "reason": reason}
+            self.responses.finish(resp, None, None, [], 0, 0)
+            self._response_over(resp)
+        return True
+
+    def _response_over(self, resp: ActiveResponse) -> None:
+        if self.audio_in is not None:
+            self.audio_in.response_finished(resp.audio_ms)
+        self.active = None
+        self.responses.send_done(resp)
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def audio_input(self) -> AudioInput:
+        """The session's input side, created on first use (with the pause work it reports to)."""
+        if self.audio is None:
+            raise p.ProtocolError("Audio input is not available: this server runs without the audio stage.",
+                                  "audio_unavailable", "type")
+        if self.audio_in is None:
+            self.speculation = Speculation(self.audio, self.responses.pregenerate, self._reply_wanted, self.id)
+            self.audio_in = AudioInput(self.config["audio"]["input"], self.send, self, self.audio, self.id,
+                                       pause_ms=SPECULATE_AFTER_MS)
+        return self.audio_in
+
+    def _check_audio_parts(self, item: Item, param: str = "item") -> bool:
+        """Whether the item has input audio to transcribe (the audio stage must exist and get the audio)."""
+        needs = False
+        for i, part in enumerate(item.content):
+            if part["type"] != "input_audio" or part.get("transcript") is not None:
+                continue
+            if self.audio is None:
+                raise p.ProtocolError("input_audio content needs the audio stage (not available); send "
+                                      "input_text or a transcript.", "audio_unavailable", f"{param}.content[{i}]")
+            if part.get("audio") is None:
+                raise p.ProtocolError("input_audio content needs `audio` (base64 in the session's input format) "
+                                      "or a `transcript`.", "missing_required_parameter",
+                                      f"{param}.content[{i}].audio")
+            needs = True
+        return needs
+
+    def _check_not_generating(self, item_id: str) -> None:
+        if self.active is not None and self.active.item is not None and self.active.item.id == item_id:
+            raise p.ProtocolError(f"Item {item_id} is still being generated.", "item_in_progress", "item_id")
+
+    def _resolve_input(self, raw_items: list) -> list[Item]:
+        items = []
+        for i, raw in enumerate(raw_items):
+            if isinstance(raw, dict) and raw.get("type") == "item_reference":
+                items.append(self.conversation.get(p.get_str(raw, "id", f"response.input[{i}].id", required=True),
+                                                   f"response.input[{i}].id"))
+            else:
+                item = parse_item(raw, f"response.input[{i}]")
+                if self._check_audio_parts(item, f"response.input[{i}]"):
+                    raise p.ProtocolError("input_audio in response.input needs a `transcript`; send the audio with "
+                                          "conversation.item.create first.", "invalid_value",
+                                          f"response.input[{i}]")
+                items.append(item)
+        return items
+
+
+def _deferred(handler, session: RealtimeSession, event: dict):
+    async def op() -> None:
+        handler(session, event)
+    return op
