@@ -40,7 +40,7 @@ class EngineArgs:
     attention_backend: str | None = None
     device: str = "cpu"
     num_threads: int | None = None
-    quantization: str | None = None     # "gguf": decode batches on the GGUF's own 4-bit blocks (engine/models/gguf_q4.py)
+    quantization: str | None = None     # "gguf": decode batches on the GGUF's own 4-bit blocks (engine/layers/gguf_linear.py)
     enforce_eager: bool = False         # on CUDA + Triton, decode steps replay CUDA graphs unless True (engine/cuda_graph.py)
 
     def __post_init__(self) -> None:
