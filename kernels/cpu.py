@@ -24,8 +24,8 @@ class Isa(enum.Enum):
 
 def cpu_isa() -> Isa:
     """The instruction set the C++ ops found on this CPU (NONE without them), whatever `RTSERVE_PACKED_LINEAR` says."""
-    op = cpu_ext.packed_isa()
-    return Isa(int(op())) if op is not None else Isa.NONE
+    lib = cpu_ext.ops()
+    return Isa(int(lib.packed_isa())) if lib is not None else Isa.NONE
 
 
 def packed_isa() -> Isa:

@@ -97,22 +97,5 @@ def rope_store():
 def decode_layers():
     return _op("decode_layers")
 
-
-def decode_stack_slots():
-    return _op("decode_stack_slots")
-
-
-def packed_linear():
-    return _op("packed_linear")
-
-
-def packed_linear_gguf():
-    return _op("packed_linear_gguf")
-
-
-def packed_isa():
-    return _op("packed_isa")
-
-
 def argmax_rows():
     return _op("argmax_rows")

@@ -45,7 +45,7 @@ def available() -> bool:
 def flatten(layers: list[DecodeLayerWeights], final_norm: torch.Tensor) -> tuple[list, int] | None:
     """(the op's weight list, the 4-bit row limit), or None where the stack cannot take these layers (linear layers
     with different 4-bit row limits)."""
-    names = [name.split(".") for name in cpu_ext.decode_stack_slots()()]
+    names = [name.split(".") for name in cpu_ext.ops().decode_stack_slots()]
     limits = {lin.int4_max_rows for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
               if lin.int4_max_rows is not None}
     if len(limits) > 1:

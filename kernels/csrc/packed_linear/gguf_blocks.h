@@ -55,15 +55,20 @@ inline void dequant_q8_0(const uint8_t* qs, const at::Half* dm, uint16_t* out) {
   }
 }
 
-// Tile pair kb of column block nb of GGUF weight w -> bf16 tile pair at out.
-inline void dequant_bf16(const Weight& w, int64_t nb, int64_t kb, uint16_t* out) {
+using DequantPair = void (*)(const uint8_t* qs, const at::Half* dm, uint16_t* out);
+
+// Tile pair kb of column block nb of GGUF weight w -> a 16-bit tile pair at out, by the Q4_1 or the Q8_0 dequantizer.
+template <DequantPair Q4_1, DequantPair Q8_0>
+inline void dequant(const Weight& w, int64_t nb, int64_t kb, uint16_t* out) {
   const uint8_t* q = w.block_qs(nb) + kb * w.q_block();
   const at::Half* d = w.block_dm(nb) + kb * w.d_block();
   if (w.q4)
-    dequant_q4_1(q, d, out);
+    Q4_1(q, d, out);
   else
-    dequant_q8_0(q, d, out);
+    Q8_0(q, d, out);
 }
+
+constexpr auto dequant_bf16 = dequant<dequant_q4_1, dequant_q8_0>;
 
 // Column block nb's bf16 tiles: the packed ones in place, or GGUF blocks dequantized into `buf` (KB tile pairs).
 inline const uint16_t* bf16_block(const Weight& w, int64_t nb, uint16_t* buf) {
@@ -113,15 +118,7 @@ inline void dequant_q8_0_fp16(const uint8_t* qs, const at::Half* dm, uint16_t* o
   }
 }
 
-// Tile pair kb of column block nb of GGUF weight w -> fp16 tile pair at out.
-inline void dequant_fp16(const Weight& w, int64_t nb, int64_t kb, uint16_t* out) {
-  const uint8_t* q = w.block_qs(nb) + kb * w.q_block();
-  const at::Half* d = w.block_dm(nb) + kb * w.d_block();
-  if (w.q4)
-    dequant_q4_1_fp16(q, d, out);
-  else
-    dequant_q8_0_fp16(q, d, out);
-}
+constexpr auto dequant_fp16 = dequant<dequant_q4_1_fp16, dequant_q8_0_fp16>;
 #endif  // RTSERVE_HAS_AVX512_FP16
 
 }  // namespace rtserve::packed
