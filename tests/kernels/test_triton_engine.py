@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 
-DEVICE = os.environ.get("RTSERVE_TEST_DEVICE", "cpu")
+from kernels import settings  # triton is imported later, on first use: TRITON_INTERPRET is set before that
+
+DEVICE = settings.raw("RTSERVE_TEST_DEVICE")
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
