@@ -234,7 +234,8 @@ class WhisperModel:
         # The encoder's GEMMs are prefill-sized (hundreds of positions). On a CPU without AMX, oneDNN's bf16 GEMMs and
         # convolutions run slower than fp32 ones, so there the encoder runs in fp32 and hands the decoder bf16 states.
         self.encoder_dtype = dtype
-        if dtype == torch.bfloat16 and pack and kernels.packed_isa() in ("avx512", "avx512fp16"):
+        no_amx = kernels.packed_isa() in (kernels.Isa.AVX512_FP32, kernels.Isa.AVX512_FP16)
+        if dtype == torch.bfloat16 and pack and no_amx:
             model.model.encoder.float()
             self.encoder_dtype = torch.float32
 
@@ -376,7 +377,7 @@ def _pack_decoder(model) -> tuple[torch.Tensor, torch.Tensor] | None:
     has one: a decode step is a few rows, where oneDNN's bf16 GEMM is slow, and the 51864-wide vocabulary projection
     is a large share of the decoder's time. Returns the projection, padded to a multiple of 32 rows, and its packed
     form (None without a packed kernel)."""
-    if kernels.packed_isa() is None:
+    if kernels.packed_isa() is kernels.Isa.NONE:
         return None
     for layer in model.model.decoder.layers:
         for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.out_proj,

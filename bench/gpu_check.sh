@@ -58,8 +58,8 @@ step versions 30 "$PY" -c "import torch, triton; print('torch', torch.__version_
 
 if [[ " $PHASES " == *" kernels "* ]]; then
 # --- kernel tests on CUDA tensors (same tests as on CPU, compiled instead of interpreted) -------------------------
-step test-kernels 150 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_kernels.py \
-  --junitxml="$RES/test_triton_kernels.xml"
+step test-kernels 150 "$PY" -m pytest -q -ra -p no:cacheprovider tests/kernels/test_triton_attention.py \
+  --junitxml="$RES/test_triton_attention.xml"
 
 # --- kernel micro-benchmark: Triton vs the torch path, SmolLM2-135M shapes, bf16 ----------------------------------
 step kernel-bench 90 "$PY" - "$RES/kernel_bench.json" <<'PYEOF'
@@ -102,7 +102,7 @@ fi
 
 if [[ " $PHASES " == *" engine "* ]]; then
 # --- engine end to end on CUDA: Triton backend vs torch backend, greedy tokens -----------------------------------
-step test-engine 120 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_engine.py \
+step test-engine 120 "$PY" -m pytest -q -ra -p no:cacheprovider tests/kernels/test_triton_engine.py \
   --junitxml="$RES/test_triton_engine.xml"
 
 # --- throughput benchmark, if the CLI has it; flags passed only when its --help lists them --------------------------

@@ -1,11 +1,11 @@
 """Decode steps replayed as CUDA graphs, one per batch-size bucket (vLLM's idea).
 
-Why: on a GPU a decode step of a small model is a few hundred small kernel launches issued from Python; on an H200
-a warm eager decode step took 12-13 ms, launch-bound, and a replayed graph 1.6 ms at batch 1 (docs/benchmarks.md,
-"On a GPU"). A captured graph replays the whole forward (and the logits) with one launch.
+Why: on a GPU a decode step of a small model is a few hundred small kernel launches issued from Python, so an eager
+step is bound by launches, not by the GPU (docs/benchmarks.md, "On a GPU"). A captured graph replays the whole forward
+(and the logits) with one launch.
 
 How: the inputs live in static tensors sized for the largest bucket. A decode-only step of n sequences pads to the
-next bucket B: rows n..B-1 get slot -1 (their keys and values are never stored), context 1 and block 0 (a valid read
+next bucket B: rows n..B-1 get slot -1 (their keys and values are never stored), context 1 and page 0 (a valid read
 whose result is dropped). Capturing needs kernels that never read device values on the host; the Triton backend is
 built that way, the torch backend is not (it plans from the tensors), so graphs are used only with Triton on CUDA.
 `capture=False` runs the same padded static-buffer path eagerly: that is how the CPU tests check the padding.
@@ -21,7 +21,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_cache: torch.Tensor, max_num_seqs: int, max_blocks: int, capture: bool = True):
+    def __init__(self, model, kv_cache: torch.Tensor, max_num_seqs: int, max_pages: int, capture: bool = True):
         self.model, self.kv_cache, self.capture = model, kv_cache, capture
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.max_bs = n = max_num_seqs
@@ -30,7 +30,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, max_pages, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple] = {}
         if capture:
@@ -46,7 +46,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        """Largest bucket first, all graphs in one memory pool (a smaller graph reuses the larger one's blocks)."""
+        """Largest bucket first, all graphs in one memory pool (a smaller graph reuses the larger one's memory)."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -76,7 +76,7 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(torch.from_numpy(slots), non_blocking=True)
         self.seq_lens[:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
         self.block_tables[:n, :width].copy_(torch.from_numpy(tables).clamp_(min=0), non_blocking=True)
-        if b > n:   # padding rows: no KV store, one key from block 0, their logits dropped
+        if b > n:   # padding rows: no KV store, one key from page 0, their logits dropped
             self.slot_mapping[n:b].fill_(-1)
             self.seq_lens[n:b].fill_(1)
             self.block_tables[n:b].zero_()

@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 import kernels
 from engine.cuda_graph import DecodeGraphs
 from engine.errors import ModelLoadError
-from engine.models.gguf_q4 import attach_gguf_q4
-from engine.models.llama import AttentionMetadata, LlamaForCausalLM, rope_inv_freq
+from engine.layers.rotary_embedding import rope_inv_freq
+from engine.models.gguf_weights import attach_gguf_linears
+from engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from engine.models.loader import check_architecture
 from engine.scheduler import ScheduledRequest
 from kernels import cpu_ext
@@ -48,7 +49,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
 
 class ModelRunner:
     def __init__(self, model_dir: Path, dtype: str, device: str, page_size: int, kv_cache_memory: int,
-                 q4_gguf: Path | None = None):
+                 gguf_file: Path | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(DTYPES)}")
         self.dtype = DTYPES[dtype]
@@ -56,11 +57,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
         if self.device.type == "cpu":
-            cpu_ext.ops()   # build (first run on a machine, ~15-30 s) or load the C++ ops now, not mid-request
-        if q4_gguf is not None:
+            cpu_ext.ops()   # build (first run on a machine) or load the C++ ops now, not mid-request
+        if gguf_file is not None:
             if self.device.type != "cpu":
                 raise ModelLoadError("quantization='gguf' runs on the CPU only (torch's 4-bit kernel for CPU)")
-            attach_gguf_q4(self.model, q4_gguf, model_dir)
+            attach_gguf_linears(self.model, gguf_file, model_dir)
         if self.device.type == "cpu":
             self.model.pack_weights()
         self.load_seconds = time.perf_counter() - t0
@@ -80,9 +81,9 @@ class ModelRunner:
         never read device values on the host. `capture=False` runs the padded static-buffer path eagerly (tests)."""
         if capture and (self.device.type != "cuda" or kernels.resolve_backend(self.device) != "triton"):
             return False
-        max_blocks = -(-max_model_len // self.page_size)
+        max_pages = -(-max_model_len // self.page_size)
         try:
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, max_num_seqs, max_blocks, capture=capture)
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, max_num_seqs, max_pages, capture=capture)
         except Exception as e:  # noqa: BLE001 - a GPU or driver that cannot capture still serves, eagerly
             if not capture:
                 raise
@@ -103,7 +104,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         logit_rows: list[int] = []
         sampling: list[int] = []
-        max_blocks = 0
+        max_pages = 0
         for i, s in enumerate(scheduled):
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             input_ids.extend(req.token_ids[start:start + n])
@@ -113,11 +114,11 @@ class ModelRunner:
             slots.append(table[pos // ps] * ps + pos % ps)
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
-            max_blocks = max(max_blocks, len(req.block_table))
+            max_pages = max(max_pages, len(req.block_table))
             if s.samples:
                 logit_rows.append(cu[-1] - 1)
                 sampling.append(i)
-        tables = np.full((len(scheduled), max_blocks), -1, dtype=np.int32)
+        tables = np.full((len(scheduled), max_pages), -1, dtype=np.int32)
         for i, s in enumerate(scheduled):
             tables[i, :len(s.request.block_table)] = s.request.block_table
         if self.graphs is not None and len(input_ids) == len(scheduled) == len(sampling) <= self.graphs.max_bs:

@@ -1,47 +1,42 @@
-"""The C++ CPU ops in `kernels/csrc/`, compiled on first use with torch's extension builder and cached by torch
-(~15-30 s once per machine, then milliseconds). Each accessor returns its op, or None when the ops cannot be built (no
-C++ compiler or ninja) or `RTSERVE_CPU_EXT=0`; the pure-torch code then serves, only slower.
+"""The C++ CPU ops in `kernels/csrc/`, compiled on first use with torch's extension builder and cached by torch (once
+per machine and source change). Each accessor returns its op, or None when the ops cannot be built (no C++ compiler
+or ninja) or `RTSERVE_CPU_EXT=0`; the pure-torch code then serves, only slower.
 
 - `paged_decode`: decode attention straight from the paged cache (paged_decode.cpp).
 - `rms_norm`, `silu_and_mul`, `add_rms_norm` (residual add fused into the norm), `rope_store` (rotary embedding of q
   and k fused with the KV-cache store): 16-bit only, fp32 math per row, rounded where torch rounds (layer_ops.cpp).
-- `amx_linear`, `amx_linear_gguf`: bf16 linear layers on packed weights: AMX tiles, or without AMX fp16 / fp32 FMAs
-  (amx_linear.cpp; `kernels.packed_isa()`).
-- `decode_layers`: every decoder layer of a decode-only step in one call, the kernels above in the Python layers'
-  order (decode_stack.cpp).
+- `packed_linear`, `packed_linear_gguf`, `packed_isa`: bf16 linear layers on packed weights, one kernel per
+  instruction set (AMX, AVX-512 fp32 FMAs, AVX-512 FP16 FMAs) behind one dispatch (packed_linear/; `kernels.cpu`).
+- `decode_layers`, `decode_stack_slots`: every decoder layer of a decode-only step in one call, the kernels above in
+  the Python layers' order, and the names of its weight slots (decode_stack.cpp; `kernels.decode_stack`).
 - `argmax_rows`: greedy sampling's argmax over fp32 logits rows, torch.argmax's tie and NaN rules (layer_ops.cpp).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "layer_ops.cpp", "amx_linear.cpp",
-                                                            "decode_stack.cpp")]
+from kernels import settings
+
+_CSRC = Path(__file__).parent / "csrc"
 _state: dict = {}
 _lock = threading.Lock()   # the engine and Whisper's loader thread both ask at start-up; the second must wait for the
 #                            build, not read the "unavailable" placeholder and fall back to the torch path for good
 log = logging.getLogger("rtserve.kernels")
 
 
-_enabled = os.environ.get("RTSERVE_CPU_EXT", "1") != "0"   # read once: ops() runs ~250 times a decode step
-
-
 def ops():
-    """torch.ops.rtserve_cpu, built or loaded on the first call (None if unavailable or disabled)."""
-    if not _enabled:
-        return None
+    """torch.ops.rtserve_cpu, built or loaded on the first call (None if unavailable or disabled by
+    `RTSERVE_CPU_EXT=0`, read on that first call: ops() runs hundreds of times a decode step)."""
     if "ops" in _state:
         return _state["ops"]
     with _lock:
-        if "ops" in _state:
-            return _state["ops"]
-        _state["ops"] = _load()
+        if "ops" not in _state:
+            _state["ops"] = _load() if settings.enabled("RTSERVE_CPU_EXT") else None
     return _state["ops"]
 
 
@@ -54,9 +49,9 @@ def _load():
         # libgomp.so.1 torch already loaded, so they share torch's thread pool
         # torch rebuilds when a listed source changes but does not see headers, nor the CPU that -march=native built
         # for (a cached AMX build would crash on a CPU without AMX): their hash goes into the flags
-        files = sorted(p for p in _SOURCES[0].parent.iterdir() if p.is_file())
+        files = sorted(p for p in _CSRC.rglob("*") if p.is_file())
         digest = hashlib.sha1(b"".join(p.read_bytes() for p in files) + _cpu_flags()).hexdigest()
-        load("rtserve_cpu", sources=[str(s) for s in _SOURCES],
+        load("rtserve_cpu", sources=[str(p) for p in files if p.suffix == ".cpp"],
              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", f"-DRTSERVE_CSRC={digest[:12]}"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return torch.ops.rtserve_cpu
@@ -101,7 +96,6 @@ def rope_store():
 
 def decode_layers():
     return _op("decode_layers")
-
 
 def argmax_rows():
     return _op("argmax_rows")

@@ -6,8 +6,6 @@ gate/up projections are fused into one GEMM each. RMSNorm is computed in fp32 ex
 """
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import Linear
+from engine.layers.rotary_embedding import rope_cos_sin, rope_inv_freq
+from kernels import decode_stack, settings
+from kernels.decode_stack import DecodeLayerWeights
 
 
 @dataclass(slots=True)
@@ -22,68 +25,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor     # [num_tokens] int64
     cu_seqlens_q: torch.Tensor     # [B + 1] int32
     seq_lens: torch.Tensor         # [B] int32, including this step's tokens
-    block_tables: torch.Tensor     # [B, max_blocks] int32, -1 padded
-
-
-class Linear(nn.Linear):
-    """nn.Linear that can carry copies of its weight (`pack`): in the packed kernel's tile order, for decode-sized bf16
-    batches on the CPU (fp16 tiles for every size on an AVX-512 FP16 CPU without AMX), and, on AVX-512 BF16 without
-    AMX or FP16, in fp32 for prefill-sized ones (kernels.linear)."""
-
-    packed: torch.Tensor | None = None
-    wide: torch.Tensor | None = None      # fp32 copy for prefill-sized batches on AVX-512 BF16 (no AMX, no FP16)
-
-    def pack(self) -> None:
-        self.packed = kernels.pack_linear_weight(self.weight)
-        self.wide = kernels.pack_wide_weight(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.packed, self.wide)
-
-    def stack_slots(self) -> list[torch.Tensor | None]:
-        """This layer's slots in the C++ decode stack (kernels/csrc/decode_stack.cpp): dense, bias, packed, then the
-        GGUF and 4-bit slots it does not have, then the fp32 copy."""
-        return [self.weight, self.bias, self.packed, None, None, None, None, self.wide]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm(x), or with `residual`: residual += x (in place), then RMSNorm(residual)."""
-        if x.dtype != torch.float32:   # 16-bit: one fused kernel (fp32 math inside); fp32 keeps HF's exact op order
-            if residual is not None:
-                return kernels.add_rms_norm(x, residual, self.weight, self.eps)
-            return kernels.rms_norm(x, self.weight, self.eps)
-        if residual is not None:
-            x = residual.add_(x)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "linear":
-        inv_freq = inv_freq / params["factor"]
-    elif rope_type == "llama3":   # Llama 3.x frequency-dependent scaling
-        factor, lo, hi = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
-        old_ctx = params["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_ctx / wavelen - lo) / (hi - lo)
-        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    elif rope_type != "default":
-        raise NotImplementedError(f"rope type {rope_type!r}")
-    return inv_freq
+    block_tables: torch.Tensor     # [B, max_pages] int32, each sequence's KV pages, -1 padded
 
 
 class Attention(nn.Module):
@@ -157,22 +99,20 @@ class LlamaForCausalLM(nn.Module):
         self._stack: tuple[list, int] | None | bool = None   # decode stack weights (built on first use), False = off
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return rope_cos_sin(positions, self.inv_freq, dtype)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Returns final hidden states [num_tokens, hidden]; kv_cache is [layers, 2, blocks, block_size, kv_heads, d]."""
+        """Returns final hidden states [num_tokens, hidden]; kv_cache is [layers, 2, pages, page_size, kv_heads, d]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         if x.shape[0] == meta.seq_lens.numel():         # decode-only step: one token per sequence
             stack = self._decode_stack(x, kv_cache)
             if stack is not None:
                 weights, int4_max_rows = stack
-                attn, rows = self.layers[0].self_attn, torch.arange(x.shape[0])
-                return kernels.cpu_ext.decode_layers()(
-                    x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens, rows, rows, kv_cache, weights,
-                    attn.num_heads, self.norm.eps, attn.scale, int4_max_rows)
+                attn = self.layers[0].self_attn
+                return decode_stack.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                                  kv_cache, weights, attn.num_heads, self.norm.eps, attn.scale,
+                                                  int4_max_rows)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
@@ -189,37 +129,27 @@ class LlamaForCausalLM(nn.Module):
         return self._stack or None
 
     def _build_decode_stack(self) -> tuple[list, int] | None:
-        if os.environ.get("RTSERVE_DECODE_STACK", "1") == "0" or kernels.resolve_backend("cpu") != "torch" \
-                or kernels.cpu_ext.decode_layers() is None:
+        if not settings.enabled("RTSERVE_DECODE_STACK") or kernels.resolve_backend("cpu") != "torch" \
+                or not decode_stack.available():
             return None
-        weights: list[torch.Tensor | None] = []
-        limits = set()
+        layers = []
         for layer in self.layers:
             if {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {self.norm.eps}:
                 return None
-            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                slots = lin.stack_slots() if hasattr(lin, "stack_slots") else None
-                if slots is None:
-                    return None
-                weights += slots
-                if hasattr(lin, "int4_max_rows"):
-                    limits.add(lin.int4_max_rows)
-        if len(limits) > 1:
-            return None
-        return weights + [self.norm.weight], limits.pop() if limits else 0
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [lin.decode_weights() for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if None in linears:
+                return None
+            layers.append(DecodeLayerWeights(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                             *linears))
+        return decode_stack.flatten(layers, self.norm.weight)
 
     def pack_weights(self) -> int:
         """Give every linear layer its packed copy (bf16 tiles on an AMX or AVX-512 BF16 CPU, fp16 ones on AVX-512
         FP16 without AMX; a no-op elsewhere), and its fp32 one on AVX-512 BF16 without either; returns how many got a
         packed copy."""
         self._stack = None
-        packed = 0
-        for module in self.modules():
-            if hasattr(module, "pack"):
-                module.pack()
-                packed += module.packed is not None
-        return packed
+        return sum(module.pack() for module in self.modules() if isinstance(module, Linear))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

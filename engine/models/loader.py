@@ -1,8 +1,8 @@
 """Find, convert and load model weights.
 
 A model is a HF directory (config.json + *.safetensors + tokenizer files) or a GGUF file. GGUF goes through transformers'
-GGUF loader once (dequantizing takes ~20 s) and is cached as a HF directory with safetensors under `$RTSERVE_CACHE`
-(default ~/.cache/rtserve), so later loads only map the safetensors (well under a second).
+GGUF loader once (dequantizing is slow) and is cached as a HF directory with safetensors under `$RTSERVE_CACHE`
+(kernels.settings.cache_dir()), so later loads only map the safetensors.
 """
 from __future__ import annotations
 
@@ -12,14 +12,11 @@ import os
 from pathlib import Path
 
 from engine.errors import ModelLoadError
+from kernels import settings
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("RTSERVE_CACHE", Path.home() / ".cache" / "rtserve"))
 
 
 def default_model_path() -> Path:
@@ -67,7 +64,7 @@ def check_architecture(model_dir: Path) -> dict:
 
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF through transformers once; cache config, tokenizer and safetensors keyed by name and size."""
-    out = cache_root() / f"{gguf.stem}-{gguf.stat().st_size}"
+    out = settings.cache_dir() / f"{gguf.stem}-{gguf.stat().st_size}"
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -1,9 +1,9 @@
 // RMSNorm and SiLU-and-multiply for 16-bit activations on the CPU.
 //
-// Why: on this CPU torch's bf16 `rms_norm` and `silu(gate) * up` took ~1.2-1.4 ms each on a 512-token prefill chunk
-// (61 norms and 30 MLP activations a step: over 100 ms of a ~250 ms step) and ~30 us at 32 rows. These loops do the
-// math in fp32 per row and round exactly where HF's bf16 modules round, so outputs equal torch's but for rare last-bit
-// differences (summation order, exp). fp32 models keep HF's own op order in Python (engine/models/llama.py).
+// Why: torch's bf16 `rms_norm` and `silu(gate) * up` on the CPU were a large share of a prefill step (a step runs two
+// norms and one MLP activation per layer; docs/benchmarks.md). These loops do the math in fp32 per row and round
+// exactly where HF's bf16 modules round, so outputs equal torch's but for rare last-bit differences (summation order,
+// exp). fp32 models keep HF's own op order in Python (engine/layers/layernorm.py, engine/models/llama.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -178,7 +178,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& slot_mapping, at::Tensor k_cache, at::Tensor v_cache, int64_t heads) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(), "rope_store: caches must be [blocks, block_size, kv_heads, d]");
+                  k_cache.sizes() == v_cache.sizes(), "rope_store: caches must be [pages, page_size, kv_heads, d]");
   const int64_t kv_heads = k_cache.size(2), d = k_cache.size(3), tokens = qkv.size(0);
   TORCH_CHECK(d % 2 == 0 && qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * d,
               "rope_store: qkv must be [tokens, (heads + 2 * kv_heads) * head_dim] contiguous");
@@ -201,8 +201,8 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 }
 
 // Index of each row's largest value, the first one on ties, and of the first NaN when a row has one (torch.argmax's
-// rules). Greedy sampling runs it on fp32 logits [rows, vocab]: torch's CPU argmax took ~1.5-2 ms for 32 x 49152 (one
-// thread, scalar), a few percent of a decode step; a vector max, then a scan for its first position, reads ~6 MB.
+// rules). Greedy sampling runs it on fp32 logits [rows, vocab]: torch's CPU argmax runs on one thread, scalar, a
+// visible share of a decode step; here a vector max, then a scan for its first position, on the intra-op threads.
 // NaN test on the bits: this file is built with -ffast-math, under which `v != v` folds to false.
 inline bool is_nan(float f) {
   uint32_t u;

@@ -1,12 +1,12 @@
-// Paged decode attention for the CPU: one query token per sequence, read straight from the block table.
+// Paged decode attention for the CPU: one query token per sequence, read straight from its pages (the block table).
 //
-// Why a C++ op: in pure torch a decode step must first gather every sequence's blocks into a padded tensor and then run
-// SDPA's flash kernel, whose per-(sequence, head) setup dominates when there is one query row. At 32 sequences of ~160
-// tokens that was ~1 ms per layer; this loop reads each key/value row once, in place, and parallelises over
-// (sequence, kv head) on torch's own thread pool.
+// Why a C++ op: in pure torch a decode step must first gather every sequence's pages into a padded tensor and then run
+// SDPA's flash kernel, whose per-(sequence, head) setup dominates when there is one query row. This loop reads each
+// key/value row once, in place, and parallelises over (sequence, kv head) on torch's own thread pool.
 //
-// Layout (kernels/torch_ops.py): q/out [tokens, heads, d]; k/v cache [blocks, block_size, kv_heads, d];
-// block_tables [B, max_blocks] int32; seq_lens [B] int32 (context including the query token).
+// Layout (kernels/torch_ops.py): q/out [tokens, heads, d]; k/v cache [pages, page_size, kv_heads, d];
+// block_tables [B, max_pages] int32, the pages of each sequence; seq_lens [B] int32 (context including the query
+// token).
 // rows[i] is the q/out row of decode i and seqs[i] its sequence index. Math in fp32 whatever the storage dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,7 +26,7 @@ struct Batch {
   scalar_t* out;
   const int32_t *tables, *lens;
   const int64_t *rows, *seqs;
-  int64_t nd, heads, d, block_size, kv_heads, group, max_blocks, q_stride, o_stride, slot_stride;
+  int64_t nd, heads, d, page_size, kv_heads, group, max_pages, q_stride, o_stride, slot_stride;
   float scale;
 
   Batch(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -34,13 +34,13 @@ struct Batch {
       : q(q_.data_ptr<scalar_t>()), k(k_cache.data_ptr<scalar_t>()), v(v_cache.data_ptr<scalar_t>()),
         out(out_.data_ptr<scalar_t>()), tables(block_tables.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()),
         rows(rows_.data_ptr<int64_t>()), seqs(seqs_.data_ptr<int64_t>()), nd(rows_.size(0)), heads(q_.size(1)),
-        d(q_.size(2)), block_size(k_cache.size(1)), kv_heads(k_cache.size(2)), group(q_.size(1) / k_cache.size(2)),
-        max_blocks(block_tables.size(1)), q_stride(q_.stride(0)), o_stride(out_.stride(0)),
+        d(q_.size(2)), page_size(k_cache.size(1)), kv_heads(k_cache.size(2)), group(q_.size(1) / k_cache.size(2)),
+        max_pages(block_tables.size(1)), q_stride(q_.stride(0)), o_stride(out_.stride(0)),
         slot_stride(k_cache.size(2) * q_.size(2)), scale(static_cast<float>(scale_)) {}
 
-  // offset of token t's row for kv head h in the cache, through the sequence's block table
+  // offset of token t's row for kv head h in the cache, through the sequence's block table (its pages)
   int64_t slot(const int32_t* table, int64_t t, int64_t h) const {
-    return (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * slot_stride + h * d;
+    return (static_cast<int64_t>(table[t / page_size]) * page_size + t % page_size) * slot_stride + h * d;
   }
 };
 
@@ -102,9 +102,8 @@ static inline void prefetch_bytes(const void* row, int64_t from, int64_t to) {
 }
 
 // How far ahead of the loops the pages of K and V are prefetched, in tokens. Pages are scattered in memory, and the
-// hardware prefetchers ramp up again at every page (a 4-slot page is 1.5 KB of rows). Measured, 30 layers x 32
-// sequences x 180 tokens from DRAM, 4-slot pages: 13.1 -> 10.2 ms with 64 tokens ahead (16 ahead: 10.7, 128: 10.2);
-// 16-slot pages: 11.3 -> 8.8 ms.
+// hardware prefetchers ramp up again at every page (a 4-slot page is 1.5 KB of rows). 64 tokens ahead was the
+// shortest distance that gained all there was to gain (docs/benchmarks.md).
 constexpr int64_t kPrefetchTokens = 64;
 
 template <typename scalar_t, int G>
@@ -113,7 +112,7 @@ static void decode_d64(const Batch<scalar_t>& b) {
   // (kv_heads x 128 bytes in bf16), but a task per (sequence, kv head) reads 2 of every 6 lines, a strided pattern the
   // hardware prefetchers follow badly. With enough sequences to keep the threads busy a task takes a whole sequence,
   // and the first head's pass prefetches the other heads' lines of each row, so each row is fetched as one stream and
-  // the later heads read from cache. 30 layers x 32 sequences x 200 tokens: ~18.5 -> ~12.5 ms (scattered blocks).
+  // the later heads read from cache.
   const int64_t heads_per_task = b.nd >= 4 * at::get_num_threads() ? b.kv_heads : 1;
   const int64_t row_bytes = b.slot_stride * static_cast<int64_t>(sizeof(scalar_t)), head_bytes = 64 * sizeof(scalar_t);
   at::parallel_for(0, b.nd * b.kv_heads / heads_per_task, 1, [&](int64_t begin, int64_t end) {
@@ -121,22 +120,22 @@ static void decode_d64(const Batch<scalar_t>& b) {
     for (int64_t task = begin * heads_per_task; task < end * heads_per_task; ++task) {
       const int64_t i = task / b.kv_heads, h = task % b.kv_heads, seq = b.seqs[i], ctx = b.lens[seq];
       const bool prefetch = heads_per_task > 1 && h == 0;
-      const int32_t* table = b.tables + seq * b.max_blocks;
+      const int32_t* table = b.tables + seq * b.max_pages;
       // The pass that reads a page from memory prefetches the page `ahead` pages on: the whole page (every head's
       // lines; a page's rows are contiguous) in a whole-sequence task, whose later heads then read from cache, or
       // this head's lines in a per-head task.
-      const int64_t num_pages = (ctx + b.block_size - 1) / b.block_size;
-      const int64_t ahead = std::max<int64_t>(1, kPrefetchTokens / b.block_size);
+      const int64_t num_pages = (ctx + b.page_size - 1) / b.page_size;
+      const int64_t ahead = std::max<int64_t>(1, kPrefetchTokens / b.page_size);
       auto page_base = [&](const scalar_t* cache, int64_t j) {  // row 0 of page j (a page index: no division)
-        return cache + static_cast<int64_t>(table[j]) * b.block_size * b.slot_stride;
+        return cache + static_cast<int64_t>(table[j]) * b.page_size * b.slot_stride;
       };
       auto prefetch_page = [&](const scalar_t* cache, int64_t j) {
         if ((heads_per_task > 1 && h > 0) || j >= num_pages) return;
         const char* page = reinterpret_cast<const char*>(page_base(cache, j));
         if (heads_per_task > 1)
-          prefetch_bytes(page, 0, b.block_size * row_bytes);
+          prefetch_bytes(page, 0, b.page_size * row_bytes);
         else
-          for (int64_t r = 0; r < b.block_size; ++r)
+          for (int64_t r = 0; r < b.page_size; ++r)
             prefetch_bytes(page + r * row_bytes + h * head_bytes, 0, head_bytes);
       };
       for (int64_t j = 1; j < ahead; ++j) prefetch_page(b.k, j);
@@ -171,24 +170,24 @@ static void decode_d64(const Batch<scalar_t>& b) {
           mx[g] = sc > mx[g] ? sc : mx[g];
         }
       };
-      if (b.block_size % 16 == 0) {  // groups inside a block: rows at a fixed stride (no division per token)
-        for (int64_t j = 0, t0 = 0; t0 < ctx; ++j, t0 += b.block_size) {
+      if (b.page_size % 16 == 0) {  // groups inside a page: rows at a fixed stride (no division per token)
+        for (int64_t j = 0, t0 = 0; t0 < ctx; ++j, t0 += b.page_size) {
           prefetch_page(b.k, j + ahead);
           const scalar_t* kb = page_base(b.k, j) + h * 64;
-          const int64_t n = std::min(b.block_size, ctx - t0);
+          const int64_t n = std::min(b.page_size, ctx - t0);
           for (int64_t o0 = 0; o0 + 16 <= n; o0 += 16)
             group16([&](int o) { return kb + (o0 + o) * b.slot_stride; }, t0 + o0);
           for (int64_t o = n / 16 * 16; o < n; ++o) single(kb + o * b.slot_stride, t0 + o);
         }
-      } else {  // smaller blocks (e.g. 8): a group spans blocks, rows walked along the block table
+      } else {  // smaller pages (e.g. 8): a group spans pages, rows walked along the block table
         const scalar_t* rows16[16];
-        int64_t blk = 0, off = 0;  // block-table entry and row of the next token
+        int64_t page = 0, off = 0;  // block-table entry (a page) and row of the next token
         for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
           const int64_t n = std::min<int64_t>(16, ctx - t0);
           for (int64_t o = 0; o < n; ++o) {
-            if (off == 0) prefetch_page(b.k, blk + ahead);
-            rows16[o] = b.k + (static_cast<int64_t>(table[blk]) * b.block_size + off) * b.slot_stride + h * 64;
-            if (++off == b.block_size) off = 0, ++blk;
+            if (off == 0) prefetch_page(b.k, page + ahead);
+            rows16[o] = b.k + (static_cast<int64_t>(table[page]) * b.page_size + off) * b.slot_stride + h * 64;
+            if (++off == b.page_size) off = 0, ++page;
           }
           if (n == 16)
             group16([&](int o) { return rows16[o]; }, t0);
@@ -205,10 +204,10 @@ static void decode_d64(const Batch<scalar_t>& b) {
       }
       v16f acc[G][4] = {};
       for (int64_t j = 0; j < ahead; ++j) prefetch_page(b.v, j);
-      for (int64_t j = 0, t0 = 0; t0 < ctx; ++j, t0 += b.block_size) {  // out = p . v, accumulators in registers
+      for (int64_t j = 0, t0 = 0; t0 < ctx; ++j, t0 += b.page_size) {  // out = p . v, accumulators in registers
         prefetch_page(b.v, j + ahead);
         const scalar_t* vb = page_base(b.v, j) + h * 64;
-        const int64_t n = std::min(b.block_size, ctx - t0);
+        const int64_t n = std::min(b.page_size, ctx - t0);
         for (int64_t o = 0; o < n; ++o) {
           const scalar_t* v = vb + o * b.slot_stride;
           if (prefetch) prefetch_bytes(v, head_bytes, row_bytes);
@@ -235,7 +234,7 @@ static void decode_generic(const Batch<scalar_t>& b) {
     std::vector<float> qf(group * d), acc(group * d), row(d), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / b.kv_heads, h = task % b.kv_heads, seq = b.seqs[i], ctx = b.lens[seq];
-      const int32_t* table = b.tables + seq * b.max_blocks;
+      const int32_t* table = b.tables + seq * b.max_pages;
       const scalar_t* q_row = b.q + b.rows[i] * b.q_stride + h * group * d;
       for (int64_t x = 0; x < group * d; ++x) qf[x] = static_cast<float>(q_row[x]) * b.scale;
       scores.assign(group * ctx, 0.f);

@@ -49,7 +49,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     k._store_kvcache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        PAGE_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_P=_pow2(num_kv_heads, 1), HEAD_DIM_P=_pow2(head_dim, 1), INTERP=_INTERP,
     )
 
@@ -66,7 +66,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     exposed so tests can force every path. Reads no tensor values on the host, so it never synchronises.
     """
     num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_heads // num_kv_heads
@@ -103,7 +103,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, part_acc, part_ml,
         float(scale) * 1.4426950408889634, num_seqs, num_heads,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, GROUP=group,
+        PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, GROUP=group,
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile,
         CAST_FP32=cast_fp32, DOT_PRECISION="ieee" if cast_fp32 else "tf32", INTERP=interp, NUM_SPLITS=num_splits,
     )

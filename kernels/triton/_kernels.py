@@ -2,6 +2,9 @@
 
 Imported only through `kernels.triton`, which decides about the interpreter first: `@triton.jit` reads
 TRITON_INTERPRET when this module is imported, not when triton is.
+
+The cache is in pages of PAGE_SIZE token slots, found through the block table (kernels/torch_ops.py). BLOCK_Q /
+BLOCK_M are Triton's tiles of query rows, not KV memory.
 """
 from __future__ import annotations
 
@@ -26,9 +29,9 @@ def _store_kvcache_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    stride_kcp, stride_kcs, stride_kch, stride_kcd,
+    stride_vcp, stride_vcs, stride_vch, stride_vcd,
+    PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr, INTERP: tl.constexpr,
 ):
     """One program per token: copy its [kv_heads, head_dim] key and value into cache slot `slot_mapping[t]`."""
@@ -36,16 +39,18 @@ def _store_kvcache_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padding token / already cached: nothing to store
         return
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
     offs_h = tl.arange(0, HEADS_P)
     offs_d = tl.arange(0, HEAD_DIM_P)
     mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
 
     k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
-    kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd
-    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
+    heads_k = offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd
+    heads_v = offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
+    kc = k_cache_ptr + page * stride_kcp + off * stride_kcs + heads_k
+    vc = v_cache_ptr + page * stride_vcp + off * stride_vcs + heads_v
     tl.store(kc, _cast(k, k_cache_ptr.dtype.element_ty, INTERP), mask=mask)
     tl.store(vc, _cast(v, v_cache_ptr.dtype.element_ty, INTERP), mask=mask)
 
@@ -75,10 +80,10 @@ def _unified_attention_kernel(
     part_acc_ptr, part_ml_ptr, scale_log2e, num_seqs, num_heads,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_kp, stride_ks, stride_kh, stride_kd,
+    stride_vp, stride_vs, stride_vh, stride_vd,
     stride_bts, stride_btb,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
     CAST_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERP: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
@@ -117,7 +122,7 @@ def _unified_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
 
-    # Keys past the block's last query position are invisible to every row: stop the loop there.
+    # Keys past the query block's last position are invisible to every row: stop the loop there.
     kv_end = ctx_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
     offs_t = tl.arange(0, TILE)
@@ -128,10 +133,10 @@ def _unified_attention_kernel(
     for t in range(tile_lo, tile_hi):
         pos = t * TILE + offs_t
         pos_ok = pos < kv_end
-        phys = tl.load(bt_row + (pos // BLOCK_SIZE) * stride_btb, mask=pos_ok, other=0).to(tl.int64)
-        in_blk = pos % BLOCK_SIZE
-        k_off = phys * stride_kb + in_blk * stride_ks + kv_head * stride_kh
-        v_off = phys * stride_vb + in_blk * stride_vs + kv_head * stride_vh
+        phys = tl.load(bt_row + (pos // PAGE_SIZE) * stride_btb, mask=pos_ok, other=0).to(tl.int64)
+        in_page = pos % PAGE_SIZE
+        k_off = phys * stride_kp + in_page * stride_ks + kv_head * stride_kh
+        v_off = phys * stride_vp + in_page * stride_vs + kv_head * stride_vh
         k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_kd,
                     mask=d_ok[:, None] & pos_ok[None, :], other=0.0)  # [D, TILE]
         v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd,

@@ -20,14 +20,14 @@ class Compiled:
     tensor_cores: bool  # PTX uses mma/wgmma
 
 
-def _attention_source(dtype: str, group: int, head_dim: int, block_size: int, num_splits: int = 1):
+def _attention_source(dtype: str, group: int, head_dim: int, page_size: int, num_splits: int = 1):
     from triton.compiler import ASTSource
 
     import kernels.triton._kernels as k
     fn = k._unified_attention_kernel
     fp32 = dtype == "fp32"
     block_m = 64
-    consts = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=max(16, 1 << (head_dim - 1).bit_length()),
+    consts = dict(PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_P=max(16, 1 << (head_dim - 1).bit_length()),
                   GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, TILE=32, CAST_FP32=fp32,
                   DOT_PRECISION="ieee" if fp32 else "tf32", INTERP=False, NUM_SPLITS=num_splits)
     sig = {n: "i32" for n in fn.arg_names}
@@ -39,12 +39,12 @@ def _attention_source(dtype: str, group: int, head_dim: int, block_size: int, nu
     return ASTSource(fn, sig, consts)
 
 
-def _store_source(dtype: str, kv_heads: int, head_dim: int, block_size: int):
+def _store_source(dtype: str, kv_heads: int, head_dim: int, page_size: int):
     from triton.compiler import ASTSource
 
     import kernels.triton._kernels as k
     fn = k._store_kvcache_kernel
-    consts = dict(BLOCK_SIZE=block_size, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+    consts = dict(PAGE_SIZE=page_size, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
                   HEADS_P=1 << (kv_heads - 1).bit_length(), HEAD_DIM_P=1 << (head_dim - 1).bit_length(), INTERP=False)
     sig = {n: "i32" for n in fn.arg_names}
     sig.update({n: "*" + dtype for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")})
@@ -66,7 +66,7 @@ def _merge_source(dtype: str, head_dim: int, num_splits: int):
     return ASTSource(fn, sig, consts)
 
 
-def compile_all(archs=(90, 80), group: int = 3, head_dim: int = 64, block_size: int = 4) -> list[Compiled]:
+def compile_all(archs=(90, 80), group: int = 3, head_dim: int = 64, page_size: int = 4) -> list[Compiled]:
     """SmolLM2-135M shapes by default (9 heads over 3 kv heads, head_dim 64), in the engine's default 4-slot pages."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -77,10 +77,10 @@ def compile_all(archs=(90, 80), group: int = 3, head_dim: int = 64, block_size: 
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)
         for dtype in DTYPES:
-            for name, src in (("paged_attention", _attention_source(dtype, group, head_dim, block_size)),
-                              ("paged_attn_split", _attention_source(dtype, group, head_dim, block_size, 16)),
+            for name, src in (("paged_attention", _attention_source(dtype, group, head_dim, page_size)),
+                              ("paged_attn_split", _attention_source(dtype, group, head_dim, page_size, 16)),
                               ("merge_splits", _merge_source(dtype, head_dim, 16)),
-                              ("store_kvcache", _store_source(dtype, max(1, 9 // group), head_dim, block_size))):
+                              ("store_kvcache", _store_source(dtype, max(1, 9 // group), head_dim, page_size))):
                 ck = triton.compile(src, target=target)
                 ptx = ck.asm["ptx"]
                 done.append(Compiled(name, arch, dtype, len(ck.asm["cubin"]), "mma" in ptx))

@@ -2,7 +2,7 @@
 
 On a GPU the step is captured and replayed (bench/gpu_check.sh runs the engine tests there); what can be checked
 here is the padding: rows past the real batch must not store keys/values or disturb the real rows, so greedy tokens
-equal the normal path's, and the KV blocks are all returned afterwards.
+equal the normal path's, and the KV pages are all returned afterwards.
 """
 from __future__ import annotations
 

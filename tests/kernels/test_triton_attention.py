@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 
-DEVICE = os.environ.get("RTSERVE_TEST_DEVICE", "cpu")
+from kernels import settings  # triton is imported later, on first use: TRITON_INTERPRET is set before that
+
+DEVICE = settings.raw("RTSERVE_TEST_DEVICE")
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -19,7 +21,9 @@ import torch  # noqa: E402
 import kernels  # noqa: E402
 from kernels import torch_ops  # noqa: E402
 from kernels import triton as triton_ops  # noqa: E402
+from tests.kernels.batches import paged_batch  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -34,30 +38,6 @@ SCENARIOS = {
 
 def test_runs_where_expected():
     assert triton_ops.interpreted() == (DEVICE == "cpu")
-
-
-def _batch(specs, block_size, num_kv_heads, group, head_dim, dtype, seed=0):
-    """Paged cache filled through the reference store, physical blocks shuffled, block tables padded with -1."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-c // block_size) for _, c in specs) + 3
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    max_blocks = max(-(-c // block_size) for _, c in specs) + 1
-    block_tables = torch.full((len(specs), max_blocks), -1, dtype=torch.int32)
-    for i, (_, ctx) in enumerate(specs):
-        for j in range(-(-ctx // block_size)):
-            block_tables[i, j] = free.pop()
-        k = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
-        v = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
-        slots = torch.tensor([int(block_tables[i, p // block_size]) * block_size + p % block_size for p in range(ctx)])
-        torch_ops.store_kvcache(k, v, k_cache, v_cache, slots)
-    q_lens = torch.tensor([n for n, _ in specs])
-    cu = torch.zeros(len(specs) + 1, dtype=torch.int32)
-    cu[1:] = q_lens.cumsum(0)
-    seq_lens = torch.tensor([c for _, c in specs], dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), num_kv_heads * group, head_dim, generator=g).to(dtype)
-    return q, k_cache, v_cache, cu, seq_lens, block_tables
 
 
 def _reference(q, k_cache, v_cache, cu, seq_lens, block_tables, scale):
@@ -77,11 +57,11 @@ def _check(out, ref, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("scenario", SCENARIOS.keys())
-def test_paged_attention_matches_reference(scenario, block_size, group, dtype):
+def test_paged_attention_matches_reference(scenario, page_size, group, dtype):
     head_dim = 32 if group == 1 else 16
-    batch = _batch(SCENARIOS[scenario], block_size, 2, group, head_dim, dtype)
+    batch = paged_batch(SCENARIOS[scenario], page_size, 2, group, head_dim, dtype)
     scale = head_dim ** -0.5
     ref = _reference(*batch, scale)
     out = triton_ops.paged_attention(*_on(*batch), scale)
@@ -90,12 +70,12 @@ def test_paged_attention_matches_reference(scenario, block_size, group, dtype):
 
 @pytest.mark.parametrize("block_m,tile", [(16, 16), (16, 64), (32, 32), (64, 16)])
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("block_size", [4, 8, 32])
-def test_paged_attention_tilings(block_m, tile, group, block_size):
+@pytest.mark.parametrize("page_size", [4, 8, 32])
+def test_paged_attention_tilings(block_m, tile, group, page_size):
     """Several query blocks per sequence (binary search over cu_seqlens_q) and key tiles smaller / larger than a
-    cache block (tiles and cache blocks are independent): every tiling gives the same answer."""
+    page (tiles and pages are independent): every tiling gives the same answer."""
     specs = SCENARIOS["mixed"] + SCENARIOS["prefix_hit"]
-    batch = _batch(specs, block_size, 2, group, 16, torch.float32, seed=1)
+    batch = paged_batch(specs, page_size, 2, group, 16, torch.float32, seed=1)
     ref = _reference(*batch, 0.25)
     out = triton_ops.paged_attention(*_on(*batch), 0.25, block_m=block_m, tile=tile)
     _check(out, ref, torch.float32)
@@ -107,7 +87,7 @@ def test_paged_attention_tilings(block_m, tile, group, block_size):
 def test_paged_attention_split_kv(scenario, group, num_splits, dtype):
     """Split-KV (each program covers part of the key tiles, a second kernel merges the partial softmaxes), including
     splits left empty by short contexts (seq_len 1 with 8 splits)."""
-    batch = _batch(SCENARIOS[scenario], 16, 2, group, 16, dtype, seed=5)
+    batch = paged_batch(SCENARIOS[scenario], 16, 2, group, 16, dtype, seed=5)
     ref = _reference(*batch, 0.25)
     out = triton_ops.paged_attention(*_on(*batch), 0.25, tile=16, num_splits=num_splits)
     _check(out, ref, dtype)
@@ -117,7 +97,7 @@ def test_paged_attention_strided_views_and_out():
     """q sliced out of a fused qkv projection (non-contiguous) and `out` a view: strides are honoured and only the
     query rows are written."""
     specs = SCENARIOS["mixed"]
-    q, k_cache, v_cache, cu, seq_lens, block_tables = _batch(specs, 16, 2, 3, 16, torch.float32, seed=2)
+    q, k_cache, v_cache, cu, seq_lens, block_tables = paged_batch(specs, 16, 2, 3, 16, torch.float32, seed=2)
     qkv = torch.randn(q.shape[0], 10, 16)
     qkv[:, :6] = q
     out_buf = torch.full((q.shape[0], 6, 20), 7.0)
@@ -136,12 +116,12 @@ def test_paged_attention_strided_views_and_out():
 def test_store_kvcache_matches_reference(cache_dtype):
     """Strided fp32 keys/values scattered into a cache of another dtype; slot -1 leaves the cache untouched."""
     g = torch.Generator().manual_seed(3)
-    num_blocks, block_size, kvh, d = 5, 16, 3, 24  # head_dim and head count not powers of two: masked lanes
-    k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(cache_dtype)
-    v_cache = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(cache_dtype)
+    num_pages, page_size, kvh, d = 5, 16, 3, 24  # head_dim and head count not powers of two: masked lanes
+    k_cache = torch.randn(num_pages, page_size, kvh, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(num_pages, page_size, kvh, d, generator=g).to(cache_dtype)
     kv = torch.randn(11, 2 * kvh, d, generator=g)
     key, value = kv[:, :kvh], kv[:, kvh:]
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:11]
+    slots = torch.randperm(num_pages * page_size, generator=g)[:11]
     slots[[2, 7]] = -1
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     torch_ops.store_kvcache(key, value, ref_k, ref_v, slots)
@@ -153,12 +133,12 @@ def test_store_kvcache_matches_reference(cache_dtype):
 def test_backend_switch_dispatches_to_triton():
     """kernels.set_backend("triton") routes the public ops to these kernels."""
     specs = SCENARIOS["mixed"]
-    batch = _on(*_batch(specs, 16, 2, 1, 16, torch.float32, seed=4))
+    batch = _on(*paged_batch(specs, 16, 2, 1, 16, torch.float32, seed=4))
     try:
         kernels.set_backend("triton")
         out = kernels.paged_attention(*batch, 0.25)
     finally:
-        kernels.set_backend(os.environ.get("RTSERVE_ATTENTION_BACKEND") or None)
+        kernels.set_backend(None)
     torch.testing.assert_close(out, triton_ops.paged_attention(*batch, 0.25), atol=0, rtol=0)
 
 
@@ -170,7 +150,7 @@ def test_kernels_compile_for_hopper():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-m", "kernels.triton.aot", "sm_90"], env=env, capture_output=True,
-                         text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.splitlines()
     assert len(lines) == 12, res.stdout

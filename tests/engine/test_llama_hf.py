@@ -6,21 +6,8 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.models.loader import resolve_model_dir
+from tests.engine.prompts import PROMPTS
 
-# a shared opening longer than two KV blocks, so requests share cacheable prefix blocks
-PREFIX = ("The following are short passages written for a children's encyclopedia. Each passage explains one "
-          "topic in clear and simple words, with examples. ")
-PROMPTS = [PREFIX + p for p in [
-    "The history of the Roman Empire",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "Photosynthesis is the process by which",
-    "To make a cup of tea, first",
-    "Here is a list of ten animals that live in the ocean:",
-    "1, 2, 3, 4,",
-    "Water boils at 100 degrees Celsius. In Fahrenheit, that is",
-]]
 NEW_TOKENS = 48
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
 
@@ -71,7 +58,7 @@ def test_prefix_cache_second_run_matches_hf(small_llm, reference):
 
 
 def test_chunked_prefill_matches_hf(reference):
-    # one page per block here (page_size 16, the kernels' whole-block path); the other tests run the default 4
+    # one page per block here (page_size 16, the kernels' whole-page path); the other tests run the default 4
     llm = LLM(kv_cache_memory="64MiB", max_num_batched_tokens=7, enable_prefix_caching=False, page_size=16)
     outs = llm.generate(PROMPTS, GREEDY)
     assert_same(reference, outs)

@@ -1,90 +1,107 @@
-"""`quantization="gguf"`: small batches run on the GGUF file's own Q4_1 / Q8_0 blocks (engine/models/gguf_q4.py).
+"""`quantization="gguf"`: small batches run on the GGUF file's own Q4_1 / Q8_0 blocks (engine/layers/gguf_linear.py,
+engine/models/gguf_weights.py).
 
-The 4-bit planes and the AMX blocks must be the file's weights (checked layer by layer against the dense weights the model loads), decode steps
-on them must stay as close to HF transformers' bf16 as our dense bf16 path is, and a model the path cannot serve must fail
-with a typed error."""
+The 4-bit planes and the packed blocks must be the file's weights (checked layer by layer against the dense weights
+the model loads, which transformers dequantized, and against the `gguf` library's own dequantization), each batch size
+must take the kernel the design gives it, decode steps on them must stay as close to HF transformers' bf16 as our
+dense bf16 path is, and a model the path cannot serve must fail with a typed error."""
+import functools
+
+import gguf
 import numpy as np
 import pytest
 import torch
-
-import kernels
+from gguf.quants import dequantize
 from transformers import AutoModelForCausalLM
 
+import kernels
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.layers.gguf_linear import GGUFLinear
 from engine.model_runner import load_model
-from engine.models import gguf_q4
-from engine.models.gguf_q4 import Q4Linear, attach_gguf_q4
+from engine.models.gguf_weights import attach_gguf_linears
 from engine.models.loader import default_model_path, resolve_model_dir
-from test_engine_hf import PROMPTS
+from kernels import Isa
+from tests.engine.prompts import PROMPTS
+
+# The design (docs/benchmarks.md has the measurements): torch's 4-bit kernel takes batches up to this many rows, the
+# packed kernel the rest up to kernels.PACKED_MAX_ROWS (on AVX-512 FP16: every size), dense weights beyond.
+INT4_MAX_ROWS = {Isa.NONE: 8, Isa.AMX: 2, Isa.AVX512_FP32: 4, Isa.AVX512_FP16: 0}
 
 
 def test_every_quantized_layer_is_the_files_weight():
     model = load_model(resolve_model_dir(None), torch.bfloat16, torch.device("cpu"))
-    swapped = attach_gguf_q4(model, default_model_path(), resolve_model_dir(None))
-    layers = [m for m in model.modules() if isinstance(m, Q4Linear)]
+    swapped = attach_gguf_linears(model, default_model_path(), resolve_model_dir(None))
+    layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     assert swapped == len(layers) == 4 * len(model.layers) + 1          # every linear layer and the Q8_0 lm_head
     for lin in layers:
         w = lin.weight.float()
-        err = (lin.dequantized().float() - w).abs()
+        err = (lin.dequantized_int4().float() - w).abs()
         # the dense weight is bf16(d * q + m); the planes use bf16 scales: both within ~2 bf16 steps of the file's value
         assert err.max().item() <= 2 ** -6 * w.abs().max().item(), err.max().item()
         assert err.mean().item() < 1e-3
 
 
+@functools.cache
+def _gguf_tensors() -> dict:
+    return {t.name: t for t in gguf.GGUFReader(str(default_model_path())).tensors}
+
+
 def _file_weight_fp16(*names: str) -> torch.Tensor:
-    """The GGUF file's weights for these tensors (stacked as our fused layers stack them), exact in float64 and rounded
-    once to fp16: what the packed kernel multiplies by on an AVX-512 FP16 CPU."""
-    tensors = gguf_q4.cached_gguf_blocks(default_model_path(), resolve_model_dir(None))
-    blocks = {key.split(":", 1)[1]: raw for key, raw in tensors.items()}
-    b = gguf_q4.read_q4_1(np.concatenate([blocks[name] for name in names]))
-    w = b.d.astype(np.float64).repeat(32, 1) * b.q + b.m.astype(np.float64).repeat(32, 1)
-    return torch.from_numpy(w.astype(np.float16))
+    """The GGUF file's weights for these tensors (stacked as our fused layers stack them), dequantized by the `gguf`
+    library and rounded to fp16: what the packed kernel multiplies by on an AVX-512 FP16 CPU. (gguf computes
+    d * q + m in fp32; for this file that rounds to the same fp16 as the exact value, checked once by hand.)"""
+    tensors = _gguf_tensors()
+    w = [dequantize(np.ascontiguousarray(tensors[n].data), tensors[n].tensor_type) for n in names]
+    return torch.from_numpy(np.concatenate([x.reshape(x.shape[0], -1) for x in w]).astype(np.float16))
 
 
 def test_the_packed_kernel_multiplies_by_exactly_the_dense_weights():
     model = load_model(resolve_model_dir(None), torch.bfloat16, torch.device("cpu"))
-    attach_gguf_q4(model, default_model_path(), resolve_model_dir(None))
-    layers = [m for m in model.modules() if isinstance(m, Q4Linear)]
-    assert all(lin.amx is not None for lin in layers)       # AMX or AVX-512 (this machine and CI): blocks packed
+    attach_gguf_linears(model, default_model_path(), resolve_model_dir(None))
+    layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    assert all(lin.packed_blocks is not None for lin in layers)   # AMX or AVX-512 (this machine and CI): packed
     for lin in layers[:4] + layers[-5:]:                    # the first and last layers, and the Q8_0 lm_head
-        got, dense = lin.dequantized_amx(), lin.weight.detach()
-        if kernels.packed_isa() != "avx512fp16":
+        got, dense = lin.dequantized_packed(), lin.weight.detach()
+        if kernels.packed_isa() is not Isa.AVX512_FP16:
             assert torch.equal(got, dense)
         else:   # fp16(w) seen through a bf16 output: bf16(w), or one bf16 step off where the fp16 value is a tie
             step = dense.float().abs() * 2 ** -7   # (~1 in 8 fp16 values is a bf16 midpoint: 2-6 % of these layers)
             assert ((got.float() - dense.float()).abs() <= step).all()
-    if kernels.packed_isa() == "avx512fp16":   # and bit for bit: the fp16 kernel on the file's weights, fp16-rounded
+    if kernels.packed_isa() is Isa.AVX512_FP16:   # and bit for bit: the fp16 kernel on the file's weights
         lin = model.layers[3].mlp.gate_up_proj
         w16 = _file_weight_fp16("blk.3.ffn_gate.weight", "blk.3.ffn_up.weight")
         x = torch.randn(9, w16.shape[1], dtype=torch.bfloat16)
-        assert torch.equal(lin(x), torch.ops.rtserve_cpu.amx_linear(x, kernels.tile_order(w16), None))
+        assert torch.equal(lin(x), torch.ops.rtserve_cpu.packed_linear(x, kernels.tile_order(w16), None))
 
 
 def test_each_batch_size_takes_its_kernel():
     model = load_model(resolve_model_dir(None), torch.bfloat16, torch.device("cpu"))
-    attach_gguf_q4(model, default_model_path(), resolve_model_dir(None))
+    attach_gguf_linears(model, default_model_path(), resolve_model_dir(None))
     lin = model.layers[3].mlp.gate_up_proj
-    fp16 = kernels.packed_isa() == "avx512fp16"
+    fp16 = kernels.packed_isa() is Isa.AVX512_FP16
     packed = kernels.pack_linear_weight(lin.weight) if not fp16 else \
         kernels.tile_order(_file_weight_fp16("blk.3.ffn_gate.weight", "blk.3.ffn_up.weight"))
-    int4_max_rows = gguf_q4.INT4_MAX_ROWS[kernels.packed_isa()]
-    assert lin.int4_max_rows == int4_max_rows and model.lm_head.int4_max_rows == 0   # the lm_head: always packed
-    for rows in sorted({1, max(int4_max_rows, 1), int4_max_rows + 1, 12, 13, 32, kernels.AMX_MAX_ROWS,
-                        kernels.AMX_MAX_ROWS + 1}):                  # 12 / 13: the ring and the buffer (fp16)
+    int4_max_rows = INT4_MAX_ROWS[kernels.packed_isa()]
+    x = torch.randn(1, lin.weight.shape[1], dtype=torch.bfloat16)
+    assert torch.equal(model.lm_head(x), torch.ops.rtserve_cpu.packed_linear_gguf(
+        x, *model.lm_head.packed_blocks, None))                         # the Q8_0 lm_head: packed from 1 row
+    for rows in sorted({1, max(int4_max_rows, 1), int4_max_rows + 1, 12, 13, 32, kernels.PACKED_MAX_ROWS,
+                        kernels.PACKED_MAX_ROWS + 1}):               # 12 / 13: the ring and the buffer (fp16)
         x = torch.randn(rows, lin.weight.shape[1], dtype=torch.bfloat16)
         dense = torch.nn.functional.linear(x, lin.weight)
         y = lin(x)
         if rows > int4_max_rows and fp16:                                  # fp16 FMAs at every size ...
-            assert torch.equal(y, torch.ops.rtserve_cpu.amx_linear(x, packed, None))   # ... on the file's weights
-        elif rows > kernels.AMX_MAX_ROWS:                                  # prefill / big batches: dense bf16 ...
-            if kernels.packed_isa() == "avx512":                           # ... in MKL's fp32 GEMM, rounded once
+            assert torch.equal(y, torch.ops.rtserve_cpu.packed_linear(x, packed, None))   # ... on the file's weights
+        elif rows > kernels.PACKED_MAX_ROWS:                               # prefill / big batches: dense bf16 ...
+            if kernels.packed_isa() is Isa.AVX512_FP32:                    # ... in MKL's fp32 GEMM, rounded once
                 dense = torch.nn.functional.linear(x.float(), lin.weight.float()).bfloat16()
             assert torch.equal(y, dense)
         elif rows > int4_max_rows:                                         # the packed kernel on the same weights
-            assert torch.equal(y, torch.ops.rtserve_cpu.amx_linear(x, packed, None))
-        else:
-            assert not torch.equal(y, dense)                               # torch's 4-bit kernel ran ...
+            assert torch.equal(y, torch.ops.rtserve_cpu.packed_linear(x, packed, None))
+        else:                                                              # torch's 4-bit kernel ran ...
+            assert not torch.equal(y, dense)
+            assert fp16 or not torch.equal(y, torch.ops.rtserve_cpu.packed_linear(x, packed, None))
         assert (y.float() - dense.float()).abs().max() < 0.05 * dense.float().abs().max()   # ... on the same weights
 
 

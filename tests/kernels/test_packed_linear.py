@@ -1,4 +1,4 @@
-"""The AMX linear kernels (kernels/csrc/amx_linear.cpp) against plain references.
+"""The packed linear kernels (kernels/csrc/packed_linear/) against plain references.
 
 - `kernels.linear` with a packed weight: x @ W.T in fp32 accumulation, rounded once to bf16, for every row count the
   engine sends it (1-64, tails of 16 included) and with bias.
@@ -7,7 +7,8 @@
   an AVX-512 FP16 CPU it is fp16(d * q + m), and the outputs equal the fp16 kernel's on those weights.
 On an AMX CPU the kernels run on AMX tiles; on an AVX-512 FP16 CPU without AMX (a VM may hide it) as fp16 FMAs on
 fp16 tiles; on an AVX-512 BF16 CPU with neither as fp32 FMAs on bf16 tiles; elsewhere `kernels.linear` must fall back
-to torch. The tests run whichever this CPU has."""
+to torch. The tests run whichever this CPU has; every instruction set's file is compiled for its own CPU here
+(`test_every_instruction_set_compiles`), whatever this CPU runs."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import Isa
 
 ROWS = [1, 2, 5, 16, 17, 32, 33, 64]
 SHAPES = [(64, 32), (960, 576), (576, 1536)]    # (N, K): a minimal one and SmolLM2's qkv and down projections
@@ -29,17 +31,27 @@ def _cpu_flags() -> set[str]:
 def test_packed_kernel_is_used_on_this_machine():
     flags = _cpu_flags()    # `make test` installs the compiler the op needs
     avx512 = {"avx512f", "avx512_bf16"} <= flags
-    expected = "amx" if "amx_bf16" in flags else "avx512fp16" if avx512 and "avx512_fp16" in flags else \
-        "avx512" if avx512 else None
-    assert expected is not None, "the project's machines have AVX-512 BF16 (with or without AMX)"
-    assert kernels.packed_isa() == expected
+    expected = Isa.AMX if "amx_bf16" in flags else Isa.AVX512_FP16 if avx512 and "avx512_fp16" in flags else \
+        Isa.AVX512_FP32 if avx512 else Isa.NONE
+    assert expected is not Isa.NONE, "the project's machines have AVX-512 BF16 (with or without AMX)"
+    assert kernels.packed_isa() is expected
     packed = kernels.pack_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16))
-    assert packed.dtype == (torch.float16 if expected == "avx512fp16" else torch.bfloat16)
-    if expected == "avx512fp16":           # a weight near fp16's range stays with torch
+    assert packed.dtype == (torch.float16 if expected is Isa.AVX512_FP16 else torch.bfloat16)
+    if expected is Isa.AVX512_FP16:        # a weight near fp16's range stays with torch
         assert kernels.pack_linear_weight(torch.full((64, 64), kernels.FP16_MAX_WEIGHT, dtype=torch.bfloat16)) is None
     # what the kernel cannot take is left to torch
     assert kernels.pack_linear_weight(torch.zeros(64, 64)) is None                       # fp32
     assert kernels.pack_linear_weight(torch.zeros(48, 64, dtype=torch.bfloat16)) is None  # N not a multiple of 32
+
+
+def test_the_switch_turns_every_packed_kernel_off(monkeypatch):
+    """`RTSERVE_PACKED_LINEAR=0` (read when asked): no packed kernel, so no packed weights and torch for every layer."""
+    monkeypatch.setenv("RTSERVE_PACKED_LINEAR", "0")
+    assert kernels.packed_isa() is Isa.NONE and kernels.cpu_isa() is not Isa.NONE
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert kernels.pack_linear_weight(w) is None and kernels.pack_wide_weight(w) is None
+    monkeypatch.setenv("RTSERVE_PACKED_LINEAR", "1")
+    assert kernels.packed_isa() is kernels.cpu_isa()
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -55,7 +67,7 @@ def test_packed_linear_matches_fp32_reference(rows, n, k):
         ref = x.double() @ w.double().T + (0 if b is None else b.double())
         assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
         # fp32 accumulation, one rounding to bf16: within one bf16 step (2^-8 relative) of the exact value; fp16
-        # FMAs add their partial sums' rounding (2^-11 of up to 64 products a lane): measured 1.4e-3 at worst
+        # FMAs add their partial sums' rounding (2^-11 of up to 64 products a lane)
         err = (y.double() - ref).abs() - ref.abs() * 2 ** -8
         assert err.max().item() < (3e-3 if packed.dtype == torch.float16 else 1e-3) * ref.abs().max().item()
         assert torch.allclose(y.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
@@ -82,19 +94,19 @@ def test_packed_linear_keeps_range_and_precision_of_extreme_rows():
 def test_packed_linear_leaves_large_batches_to_torch():
     w = torch.randn(64, 64).bfloat16()
     b = torch.randn(64).bfloat16()
-    x = torch.randn(kernels.AMX_MAX_ROWS + 1, 64).bfloat16()
+    x = torch.randn(kernels.PACKED_MAX_ROWS + 1, 64).bfloat16()
     packed, wide = kernels.pack_linear_weight(w), kernels.pack_wide_weight(w)
     if packed.dtype == torch.float16:       # fp16 FMAs beat MKL's fp32 GEMM at every size: no hand-over
         assert wide is None
-        for rows in (kernels.AMX_MAX_ROWS + 1, 512):
+        for rows in (kernels.PACKED_MAX_ROWS + 1, 512):
             x = torch.randn(rows, 64).bfloat16()
             y = kernels.linear(x, w, b, packed)
-            assert torch.equal(y, torch.ops.rtserve_cpu.amx_linear(x, packed, b))
+            assert torch.equal(y, torch.ops.rtserve_cpu.packed_linear(x, packed, b))
             ref = x.double() @ w.double().T + b.double()
             assert ((y.double() - ref).abs() - ref.abs() * 2 ** -8).max() < 3e-3 * ref.abs().max()
         return
     assert torch.equal(kernels.linear(x, w, b, packed), F.linear(x, w, b))      # oneDNN's bf16 GEMM
-    assert (wide is not None) == (kernels.packed_isa() == "avx512")           # without AMX: MKL's fp32 GEMM
+    assert (wide is not None) == (kernels.packed_isa() is Isa.AVX512_FP32)  # without AMX: MKL's fp32 GEMM
     if wide is not None:
         y = kernels.linear(x, w, b, packed, wide)
         assert torch.equal(y, F.linear(x.float(), w.float(), b.float()).bfloat16())
@@ -103,7 +115,7 @@ def test_packed_linear_leaves_large_batches_to_torch():
 
 
 def _fp16_tiles() -> bool:
-    return kernels.packed_isa() == "avx512fp16"
+    return kernels.packed_isa() is Isa.AVX512_FP16
 
 
 def _dense(w: np.ndarray) -> torch.Tensor:
@@ -144,7 +156,7 @@ def test_gguf_blocks_dequantize_to_the_dense_bf16_weight(make, n, k):
     for rows in ROWS + [65, 100]:              # the fused (<= 32 rows) and buffered paths, with bias
         x = torch.randn(rows, k, generator=gen).bfloat16()
         bias = torch.randn(n, generator=gen).bfloat16()
-        same_weights = torch.ops.rtserve_cpu.amx_linear(x, packed, bias)
+        same_weights = torch.ops.rtserve_cpu.packed_linear(x, packed, bias)
         assert torch.equal(kernels.linear_gguf(x, qs, dm, bias), same_weights), rows
 
 
@@ -153,4 +165,35 @@ def test_bad_shapes_are_refused():
     with pytest.raises(RuntimeError, match="features"):
         kernels.linear(torch.randn(2, 32).bfloat16(), w, None, kernels.pack_linear_weight(w))
     with pytest.raises(RuntimeError, match="packed"):
-        torch.ops.rtserve_cpu.amx_linear(torch.randn(2, 64).bfloat16(), w, None)
+        torch.ops.rtserve_cpu.packed_linear(torch.randn(2, 64).bfloat16(), w, None)
+
+
+# Each instruction set's kernel file, the -march that compiles its kernel, and a symbol only that kernel defines.
+ISA_BUILDS = [
+    ("amx.cpp", "sapphirerapids", "amx_gemm"),
+    ("avx512_fp16.cpp", "sapphirerapids", "avx512_fp16_gemm"),
+    ("avx512_fp32.cpp", "cooperlake", "avx512_fp32_gemm"),
+]
+
+
+@pytest.mark.parametrize("source,march,symbol", ISA_BUILDS, ids=[s for s, _, _ in ISA_BUILDS])
+def test_every_instruction_set_compiles(source, march, symbol, tmp_path):
+    """This CPU runs one kernel; the others must still compile. Each file is built for a CPU of its instruction set
+    with the extension's flags, and the object must define its kernel (a file whose kernel an #if dropped would
+    compile to nothing and pass otherwise)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import include_paths
+
+    gxx = shutil.which("g++")
+    assert gxx is not None, "`make test` installs g++"
+    src = Path(kernels.__file__).parent / "csrc" / "packed_linear" / source
+    obj = tmp_path / "kernel.o"
+    cmd = [gxx, "-std=c++20", "-O1", f"-march={march}", "-ffast-math", "-fopenmp", "-c", str(src), "-o", str(obj),
+           *(f"-I{p}" for p in include_paths())]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    symbols = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
+    assert f"rtserve::packed::{symbol}(" in symbols

@@ -1,0 +1,60 @@
+"""What this CPU runs, and how many threads it gets.
+
+`Isa` names the instruction sets of the packed linear kernels (kernels/csrc/packed_linear/, one file each);
+`cpu_isa()` is what the CPU and the build have, `packed_isa()` what the packed kernels use (the same, or NONE with
+`RTSERVE_PACKED_LINEAR=0`).
+"""
+from __future__ import annotations
+
+import enum
+import os
+
+import torch
+
+from kernels import cpu_ext, settings
+
+
+class Isa(enum.Enum):
+    """The packed kernels' instruction sets; the values are the C++ `rtserve::Isa` codes (packed_linear.h)."""
+    NONE = 0           # no packed kernel: torch serves every linear layer
+    AVX512_FP32 = 1    # AVX-512 BF16 without AMX: fp32 FMAs on bf16 tiles
+    AMX = 2            # AMX bf16 tiles
+    AVX512_FP16 = 3    # AVX-512 FP16 without AMX: fp16 FMAs on fp16 tiles
+
+
+def cpu_isa() -> Isa:
+    """The instruction set the C++ ops found on this CPU (NONE without them), whatever `RTSERVE_PACKED_LINEAR` says."""
+    lib = cpu_ext.ops()
+    return Isa(int(lib.packed_isa())) if lib is not None else Isa.NONE
+
+
+def packed_isa() -> Isa:
+    """The instruction set that runs the packed kernels (`kernels.linear`, `kernels.linear_gguf`): AMX (bf16 tiles),
+    AVX512_FP16 (fp16 FMAs on fp16 tiles, for AVX-512 FP16 CPUs without AMX), AVX512_FP32 (fp32 FMAs on bf16 tiles,
+    for AVX-512 BF16 CPUs with neither), or NONE: no such CPU, the C++ ops not built, or switched off
+    (`RTSERVE_PACKED_LINEAR=0`, for A/B runs)."""
+    if not settings.enabled("RTSERVE_PACKED_LINEAR"):
+        return Isa.NONE
+    return cpu_isa()
+
+
+def default_thread_count() -> int:
+    """torch's own default intra-op thread count (OMP_NUM_THREADS, else the CPUs this process may use), whatever
+    `torch.set_num_threads` calls other threads have made since."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def set_thread_count(n: int) -> None:
+    """Give the calling thread `n` intra-op threads for its torch and C++ ops, whatever other threads set.
+
+    Why: torch's count is per thread (OpenMP's), but a thread takes the process-wide value of the last
+    `torch.set_num_threads` call, from any thread, on its first parallel op. So each worker thread (the engine, Whisper)
+    fixes its own at start: first trigger that lazy initialisation (`get_num_threads` does), then set."""
+    torch.get_num_threads()
+    torch.set_num_threads(max(1, int(n)))
