@@ -1,11 +1,14 @@
-"""AsyncEngine: concurrent streams in one event loop equal their offline outputs; abort/cancel frees blocks; bad input
-raises typed errors while the engine keeps serving."""
+"""AsyncEngine: concurrent streams in one event loop equal their offline outputs; an abort or a cancelled consumer stops
+the request and frees its pages at once; a step that raises fails the requests in flight; bad input raises typed errors
+while the engine keeps serving."""
 import asyncio
+import time
 
 import pytest
 
 from engine import LLM, AsyncEngine, InvalidRequestError, ModelLoadError, PromptTooLongError, SamplingParams
 from engine.config import EngineArgs
+from engine.errors import EngineDeadError
 
 PROMPTS = [f"Question {i}: name a {w} and describe it in one sentence." for i, w in
            enumerate(["fruit", "color", "city", "planet", "river", "tree", "bird", "tool",
@@ -40,37 +43,122 @@ async def test_16_concurrent_streams_equal_offline(aengine):
     assert aengine.stats()["kv_pages_used"] == 0
 
 
-async def test_cancelled_consumer_aborts_and_frees_blocks(aengine):
-    ids = aengine.tokenizer.encode("Tell me a very long story about dragons.", add_special_tokens=False)
+# ---- aborts and a failing step, in the server's configuration (bf16 on the GGUF's 4-bit blocks) ---------------------
+# An aborted request must stop: it asks for as many tokens as the context holds and ignores EOS, so left alone it would
+# run for thousands of steps. Waits are bounded and fail when the bound passes; the bound is far above one step and far
+# below the request's natural end.
+WAIT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def served():
+    eng = AsyncEngine(kv_cache_memory="128MiB", max_num_seqs=64, dtype="bfloat16", quantization="gguf")
+    yield eng
+    eng.shutdown()
+
+
+def endless(eng) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=eng.max_model_len, ignore_eos=True)
+
+
+def natural_end(eng, prompt: list[int]) -> int:
+    """Output tokens an endless request reaches unaborted: the context's end, or the whole KV pool's."""
+    s = eng.stats()
+    return min(eng.max_model_len, s["kv_pages_total"] * s["kv_page_size"]) - len(prompt)
+
+
+def idle(s: dict) -> bool:
+    return (s["requests_running"], s["requests_waiting"], s["kv_pages_used"]) == (0, 0, 0)
+
+
+async def wait_for_stats(eng, ok, what: str) -> dict:
+    deadline = time.monotonic() + WAIT_S
+    while not ok(s := eng.stats()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: engine stats still {s} after {WAIT_S} s")
+        await asyncio.sleep(0.01)
+    return s
+
+
+async def assert_nothing_else_generates(eng) -> None:
+    """A short request run to its end adds exactly its own tokens to the engine's total: nothing else is generating."""
+    before = eng.stats()["generated_tokens_total"]
+    toks, _, last = await asyncio.wait_for(
+        collect(eng, None, [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)), WAIT_S)
+    assert last.finish_reason == "length" and len(toks) == 4
+    assert eng.stats()["generated_tokens_total"] == before + 4
+
+
+async def test_cancelled_consumer_aborts_and_frees_pages(served):
+    assert idle(served.stats())
+    ids = served.tokenizer.encode("Tell me a very long story about dragons.", add_special_tokens=False)
+    total_before = served.stats()["generated_tokens_total"]
     got = []
+    three = asyncio.Event()
 
     async def consume():
-        async for out in aengine.generate("cancel-me", ids, SamplingParams(temperature=0, max_tokens=500,
-                                                                            ignore_eos=True)):
-            got.append(out)
+        async for out in served.generate("cancel-me", ids, endless(served)):
+            got.extend(out.new_token_ids)
+            if len(got) >= 3:
+                three.set()
 
     task = asyncio.create_task(consume())
-    while len(got) < 3:
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(three.wait(), WAIT_S)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(200):
-        if aengine.stats()["kv_pages_used"] == 0 and aengine.stats()["requests_running"] == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert aengine.stats()["kv_pages_used"] == 0 and len(got) < 500
+    s = await wait_for_stats(served, idle, "after the consumer was cancelled")
+    assert s["generated_tokens_total"] - total_before < natural_end(served, ids)   # stopped, not run to its end
+    await assert_nothing_else_generates(served)
 
 
-async def test_explicit_abort_finishes_stream(aengine):
-    ids = aengine.tokenizer.encode("Count to one thousand:", add_special_tokens=False)
+async def test_explicit_abort_finishes_stream(served):
+    assert idle(served.stats())
+    ids = served.tokenizer.encode("Count to one thousand:", add_special_tokens=False)
     outs = []
-    async for out in aengine.generate("abort-me", ids, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)):
-        outs.append(out)
-        if len(outs) == 2:
-            await aengine.abort("abort-me")
-    assert outs[-1].finished and outs[-1].finish_reason == "abort"
-    assert aengine.stats()["kv_pages_used"] == 0
+
+    async def consume():
+        async for out in served.generate("abort-me", ids, endless(served)):
+            outs.append(out)
+            if len(outs) == 3:
+                await served.abort("abort-me")
+
+    await asyncio.wait_for(consume(), WAIT_S)
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "abort"
+    assert last.num_output_tokens == sum(len(o.new_token_ids) for o in outs) < natural_end(served, ids)
+    assert idle(served.stats())          # at once: the finish is delivered after the pages are freed
+    await assert_nothing_else_generates(served)
+
+
+async def test_a_step_that_raises_fails_the_requests_in_flight_and_the_engine_serves_on(served, monkeypatch):
+    """The engine loop's promise (AsyncEngine._run): a step that raises fails every request in flight with
+    EngineDeadError (no consumer hangs), frees their pages, and the loop goes on serving new requests. The fault is
+    injected by wrapping the model runner's execute to raise once, when two requests are decoding: the runner is not
+    what is under test, the loop's handling of its failure is."""
+    assert idle(served.stats())
+    runner = served.engine.runner
+    real_execute = runner.execute
+    raised = []
+
+    def execute_failing_once(scheduled):
+        if not raised and len(scheduled) == 2 and all(s.request.num_output_tokens >= 2 for s in scheduled):
+            raised.append(len(scheduled))
+            raise RuntimeError("injected fault in the forward pass")
+        return real_execute(scheduled)
+
+    monkeypatch.setattr(runner, "execute", execute_failing_once)
+    prompts = [served.tokenizer.encode(t, add_special_tokens=False) for t in ("Tell me a story.", "List the primes.")]
+    results = await asyncio.wait_for(asyncio.gather(
+        *(collect(served, f"doomed-{i}", p, endless(served)) for i, p in enumerate(prompts)),
+        return_exceptions=True), WAIT_S)
+    assert raised == [2]
+    for r in results:
+        assert isinstance(r, EngineDeadError) and "injected fault" in str(r)
+    assert idle(served.stats())          # at once: the error is delivered after the pages are freed
+    toks, _, last = await asyncio.wait_for(collect(served, "after-the-fault", prompts[0]), WAIT_S)
+    assert last.finish_reason == "length" and len(toks) == PARAMS.max_tokens
+    assert idle(served.stats())
 
 
 async def test_bad_requests_raise_typed_errors_and_engine_keeps_serving(aengine):
