@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from engine import LLM, AsyncEngine, InvalidRequestError, ModelLoadError, PromptTooLongError, SamplingParams
-from engine.config import EngineArgs
+from engine import LLM, AsyncEngine, InvalidRequestError, PromptTooLongError, SamplingParams
 from engine.errors import EngineDeadError
 
 PROMPTS = [f"Question {i}: name a {w} and describe it in one sentence." for i, w in
@@ -173,49 +172,6 @@ async def test_bad_requests_raise_typed_errors_and_engine_keeps_serving(aengine)
     assert e.value.param == "temperature"
     toks, _, last = await collect(aengine, "ok", aengine.tokenizer.encode("Hi", add_special_tokens=False))
     assert last.finished and len(toks) == 12
-
-
-def test_prompt_larger_than_kv_pool_is_rejected():
-    llm = LLM(kv_cache_memory=64 * 30 * 2 * 3 * 64 * 4)    # 64 KV slots (16 pages of 4)
-    with pytest.raises(PromptTooLongError, match="KV cache"):
-        llm.generate([[5] * 100], PARAMS)
-    assert llm.generate([[5] * 10], PARAMS)[0].finish_reason == "length"
-
-
-@pytest.mark.parametrize("args,param", [(dict(page_size=3), "page_size"), (dict(page_size=0), "page_size"),
-                                        (dict(block_size=8, page_size=16), "page_size"),
-                                        (dict(block_size=0), "block_size")])
-def test_bad_page_and_block_sizes_raise_typed_errors(args, param):
-    with pytest.raises(InvalidRequestError) as e:
-        EngineArgs(**args)
-    assert e.value.param == param
-
-
-def test_default_page_size_divides_the_block_size():
-    assert (EngineArgs().block_size, EngineArgs().page_size) == (16, 4)
-    assert EngineArgs(block_size=6).page_size == 2 and EngineArgs(block_size=1).page_size == 1
-
-
-def test_unknown_model_path():
-    with pytest.raises(ModelLoadError, match="does not exist"):
-        LLM(model="/nonexistent/model/dir")
-
-
-def test_gguf_of_unsupported_architecture(tmp_path):
-    import gguf
-    import numpy as np
-    path = tmp_path / "tiny-mamba.gguf"
-    w = gguf.GGUFWriter(str(path), "mamba")
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(8)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ModelLoadError, match="mamba"):
-        LLM(model=str(path))
 
 
 async def test_engine_thread_keeps_the_default_thread_count():

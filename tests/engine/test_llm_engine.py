@@ -2,16 +2,17 @@
 recompute and chunked prefill under a tight KV pool, and aborts of a waiting and of a half-prefilled request.
 
 The tests drive `step()` by hand, so they see the pool after every step: every page's ref count is the number of
-running tables and pins that hold it, the free queue is exactly the pages nobody holds, and a hashed page holds the block
-its hash names.
+running tables and pins that hold it, the free queue is exactly the pages nobody holds, and a hashed page holds the
+block its hash names.
 
 What "correct output" means here: in bf16 on the 4-bit path the numbers of a row depend on the batch it runs in (each
-batch size takes its kernel, tests/kernels), so a greedy request in a busy batch can pick the other side of a near-tie
-that it picks alone (bf16 logits tie exactly now and then). `assert_greedy` therefore replays each output against the
-request run alone: up to the first difference the tokens must be equal, and there, with the same context on both sides,
-the token the busy run chose must be within TIE_NATS of the alone run's best; then the alone run restarts from the busy
-run's tokens. A KV page read from the wrong place, a stale prefix block or a lost chunk turns the context into
-something else, and the tokens it yields are far from the best continuation.
+batch size takes its own kernel, see test_each_batch_size_takes_its_kernel), so a greedy request in a busy batch can
+pick the other side of a near-tie that it picks alone (bf16 logits tie exactly now and then). `assert_greedy`
+therefore replays each output against the request run alone: up to the first difference the tokens must be equal, and
+there, with the same context on both sides, the token the busy run chose must be within TIE_NATS of the alone run's
+best; then the alone run restarts from the busy run's tokens. A KV page read from the wrong place, a stale prefix
+block or a lost chunk turns the context into something else, and the tokens it yields are far from the best
+continuation.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from engine import LLMEngine, SamplingParams
+from engine import LLM, LLMEngine, PromptTooLongError, SamplingParams
 from engine.models.loader import check_architecture, resolve_model_dir
 from engine.request import RequestStatus
 
@@ -28,7 +29,7 @@ BLOCK_SIZE = 16
 NUM_PAGES = 30
 MAX_NUM_BATCHED_TOKENS = 16   # prompts of 30+ tokens are prefilled in chunks
 MAX_NUM_SEQS = 3
-TIE_NATS = 0.25               # bf16 noise between kernels is a few hundredths of a nat; a wrong context costs nats
+TIE_NATS = 0.25               # well above the bf16 noise between kernels, well below what a wrong context costs
 REFERENCE_SALT = "reference"  # reference runs never read blocks the run under test computed, nor leave any to it
 
 SYSTEM = ("You are a helpful assistant. Answer every question in one short sentence, be precise and concise, and do "
@@ -40,11 +41,11 @@ STORY = ("Once upon a time, in a small village at the edge of a great forest, th
          "that ran backwards, and asked him to make it run forwards again before the new moon.")
 
 
-def kv_bytes(num_pages: int) -> int:
-    """The kv_cache_memory that holds exactly num_pages bf16 pages of the default model."""
+def kv_bytes(num_pages: int, dtype_bytes: int = 2) -> int:
+    """The kv_cache_memory that holds exactly num_pages pages of the default model (bf16 unless told)."""
     cfg = check_architecture(resolve_model_dir(None))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_page = 2 * cfg["num_hidden_layers"] * PAGE_SIZE * cfg["num_key_value_heads"] * head_dim * 2
+    per_page = 2 * cfg["num_hidden_layers"] * PAGE_SIZE * cfg["num_key_value_heads"] * head_dim * dtype_bytes
     return num_pages * per_page
 
 
@@ -123,7 +124,7 @@ def assert_greedy(engine: LLMEngine, prompt: list[int], got: list[int]) -> None:
         chosen_logprob, top = ref_logprobs[k]
         got_logprob = dict(top).get(got[pos + k])
         assert got_logprob is not None and chosen_logprob - got_logprob <= TIE_NATS, \
-            f"token {pos + k}: {got[pos + k]} is not a near-tie of the greedy {ref[k]} ({got_logprob} vs {chosen_logprob})"
+            f"token {pos + k}: {got[pos + k]} is no near-tie of the greedy {ref[k]} ({got_logprob} vs {chosen_logprob})"
         pos += k + 1
 
 
@@ -243,3 +244,11 @@ def test_abort_mid_prefill(engine):
     if again_tokens["long-again"] != reference:
         assert_greedy(engine, long_prompt, again_tokens["long-again"])
     assert_idle_and_all_free(engine)
+
+
+def test_prompt_larger_than_kv_pool_is_rejected():
+    llm = LLM(kv_cache_memory=kv_bytes(16, dtype_bytes=4), page_size=PAGE_SIZE)    # fp32: 64 KV slots
+    assert llm.engine.block_manager.num_slots == 64
+    with pytest.raises(PromptTooLongError, match="KV cache"):
+        llm.generate([[5] * 100], greedy(12))
+    assert llm.generate([[5] * 10], greedy(12))[0].finish_reason == "length"
