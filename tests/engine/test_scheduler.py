@@ -75,12 +75,18 @@ def test_preempts_lowest_priority_newest_and_resumes():
             break
     assert [r.request_id for r in out.preempted] == ["lo_new"]
     assert lo_new.status == RequestStatus.PREEMPTED and lo_new.num_computed_tokens == 0 and not lo_new.block_table
+    assert lo_new.num_tokens == 9                    # its prompt and the two tokens it had sampled
     # finishing the others lets the preempted one resume by recomputing prompt + output
     sched.finish(hi, RequestStatus.FINISHED_STOPPED)
     sched.finish(lo_old, RequestStatus.FINISHED_STOPPED)
     out = sched.schedule()
-    # it recomputes what the prefix cache no longer has, and samples its next token in this step
-    assert out.scheduled[0].request is lo_new and out.scheduled[0].samples
+    # the three share their tokens, so both full blocks of its 9 tokens are still in the prefix cache (hi computed
+    # them): the resume takes their pages, recomputes only its last token and samples its next token in this step
+    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(lo_new, 1)] and out.scheduled[0].samples
+    assert lo_new.num_computed_tokens == 8 and lo_new.status == RequestStatus.RUNNING
+    hit = [p for h in lo_new.block_hashes[:2] for p in bm.cached[h]]
+    assert lo_new.block_table[:2] == hit and len(lo_new.block_table) == 3
+    assert all(bm.pages[p].ref_count == 1 for p in lo_new.block_table)
     sched.finish(lo_new, RequestStatus.FINISHED_STOPPED)
     assert bm.num_free == 6
 
