@@ -22,4 +22,4 @@ class ModelLoadError(EngineError):
 
 
 class EngineDeadError(EngineError):
-    """The engine loop stopped (shutdown or a crash); no more requests are served."""
+    """The engine shut down, or a step raised and failed the requests in it (the engine serves on after a failed step)."""
