@@ -251,9 +251,9 @@ async def test_audio_not_yet_due_yields_to_urgent_work_elsewhere():
     assert max(lead) <= YIELD_SLACK_S + 0.05, lead   # held back to the slack, not the 1.5 s lookahead
     busy.clear()
     lead_after = []
-    async for raw in job.chunks():
-        made += len(raw) / 48000
+    async for raw in job.chunks():  # (as _read_with_lead: audio ahead of the listener when the chunk came)
         lead_after.append(made - (time.monotonic() - job.clock.first_audio_at))
+        made += len(raw) / 48000
     assert made > 4
     # the rest is made ahead of its listener by more than the slack it was held to (piper runs several times faster
     # than real time), and never past the lookahead
