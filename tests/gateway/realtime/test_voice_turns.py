@@ -29,7 +29,7 @@ async def test_truncate_while_the_reply_is_still_generated(server):
         await raw.send({"type": "conversation.item.create", "item": {
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]}})
         await raw.until("conversation.item.done")
-        await raw.send({"type": "response.create"})
+        await raw.send({"type": "response.create", "response": {"temperature": 0}})
         first = (await raw.until("response.output_audio.delta"))[-1]
         item_id = first["item_id"]
         heard_ms = len(base64.b64decode(first["delta"])) // 2 * 1000 // 24000 // 2
@@ -67,7 +67,7 @@ async def test_truncate_rolls_back_history(server):
     await raw.send({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me about Paris."}]}})
     await raw.until("conversation.item.done")
-    await raw.send({"type": "response.create"})
+    await raw.send({"type": "response.create", "response": {"temperature": 0}})  # greedy: the same reply every run
     events = await raw.until("response.done")
     first = events[-1]["response"]
     item_id = first["output"][0]["id"]
@@ -144,7 +144,7 @@ async def test_beta_barge_in_and_truncate(server):
     await raw.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
         {"type": "input_text", "text": "Tell me a long story about a dragon."}]}})
     await raw.until("conversation.item.created")
-    await raw.send({"type": "response.create"})
+    await raw.send({"type": "response.create", "response": {"temperature": 0}})
     before = await raw.until("response.audio.delta")
     first_id = next(e for e in before if e["type"] == "response.created")["response"]["id"]
     pcm, on, off = utterance(QUESTION, PCM16)
