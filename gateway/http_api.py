@@ -107,7 +107,7 @@ def _sampling(body: dict, engine, prompt_len: int) -> SamplingParams:
                   "top_p": body.get("top_p", 1.0), "seed": body.get("seed"), "stop": stop or None,
                   "frequency_penalty": body.get("frequency_penalty") or 0.0,
                   "presence_penalty": body.get("presence_penalty") or 0.0}
-        for key in ("top_k", "min_p", "repetition_penalty"):
+        for key in ("top_k", "min_p", "repetition_penalty", "ignore_eos"):  # vLLM's extra fields
             if key in body:
                 kwargs[key] = body[key]
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})

@@ -1,4 +1,7 @@
-"""OpenAI HTTP API and /metrics against the real engine, through the official openai SDK and httpx."""
+"""OpenAI HTTP API and /metrics against the real engine, through the official openai SDK and httpx.
+
+Every request that asserts on what the model says is greedy (temperature 0) or seeded, so no draw of the sampler can
+pass or fail it."""
 from __future__ import annotations
 
 import httpx
@@ -11,6 +14,8 @@ METRIC_NAMES = ["rtserve_sessions_active", "rtserve_requests_running", "rtserve_
                 "rtserve_prefix_cache_queries_total", "rtserve_prefix_cache_hits_total",
                 "rtserve_generated_tokens_total", "rtserve_time_to_first_token_seconds_bucket",
                 "rtserve_inter_token_latency_seconds_bucket"]
+NEVER_ENDS = 100_000  # more tokens than the context holds: the request runs to the context's end unless aborted
+ABORTED_WITHIN = 256  # tokens an aborted request may still make between the client's leaving and the abort
 
 
 def client(server, **kw) -> AsyncOpenAI:
@@ -31,7 +36,7 @@ async def test_chat_completions_non_streaming(server):
 
 async def test_chat_completions_streaming(server):
     stream = await client(server).chat.completions.create(
-        model="anything", max_tokens=16, stream=True, stream_options={"include_usage": True},
+        model="anything", max_tokens=16, seed=7, stream=True, stream_options={"include_usage": True},
         messages=[{"role": "user", "content": "Say hello."}])
     text, reasons, usage = [], [], None
     async for chunk in stream:
@@ -52,7 +57,7 @@ async def test_completions_and_models(server):
     assert resp.object == "text_completion" and resp.choices[0].text
     assert resp.usage.completion_tokens <= 8
     chunks = [ch async for ch in await c.completions.create(model="x", prompt="One, two,", max_tokens=6,
-                                                             stream=True)]
+                                                             seed=7, stream=True)]
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
     models = await c.models.list()
     assert [m.id for m in models.data] == [server.engine.model_name]
@@ -78,7 +83,7 @@ async def test_http_errors_and_auth(server):
 
 
 async def test_metrics_exposition(server):
-    await client(server).chat.completions.create(model="x", max_tokens=4,
+    await client(server).chat.completions.create(model="x", max_tokens=4, extra_body={"ignore_eos": True},
                                                  messages=[{"role": "user", "content": "Hi"}])
     await server.wait_idle(pinned_ok=True)
     text = server.metrics_text()
@@ -100,13 +105,24 @@ async def test_web_demo_served_at_root(server):
 
 
 async def test_streaming_client_disconnect_aborts(server):
-    await server.wait_idle(pinned_ok=True)
+    """A streaming client that goes away ends its engine request: with EOS ignored and a limit the test would wait
+    minutes for, only the abort stops it. The token count stops growing and the gauges are back where they were."""
+    base = await server.wait_idle(pinned_ok=True)
+    tokens = base["generated_tokens_total"]
     async with httpx.AsyncClient(timeout=60) as h:
         async with h.stream("POST", f"{server.base_url}/chat/completions", json={
-                "model": "x", "stream": True, "max_tokens": 2000,
+                "model": "x", "stream": True, "max_tokens": NEVER_ENDS, "ignore_eos": True, "seed": 7,
                 "messages": [{"role": "user", "content": "Write a very long essay about the ocean."}]}) as r:
+            assert r.status_code == 200
+            seen = 0
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and '"content"' in line and '"content":""' not in line:
-                    break
+                    seen += 1
+                    if seen == 8:
+                        break
+            live = server.stats()
+            assert live["requests_running"] == 1, live  # still generating when the client leaves
     s = await server.wait_idle(pinned_ok=True)
-    assert s["requests_running"] == 0 and s["requests_waiting"] == 0
+    assert s["kv_pages_used"] == base["kv_pages_used"] and s["kv_pages_pinned"] == base["kv_pages_pinned"], (base, s)
+    generated = s["generated_tokens_total"] - tokens
+    assert 8 <= generated < ABORTED_WITHIN, generated   # stopped a few steps after the client left

@@ -6,8 +6,9 @@ import pytest
 from audio.buffer import InputAudioBuffer
 from audio.codecs import b64encode, float_to_int16, pcm16_encode
 from audio.resample import resample
-from audio.speech import espeak_speech, piper_speech, speech_bounds_ms
+from audio.speech import espeak_speech, speech_bounds_ms
 from audio.vad import StreamingVAD, semantic_vad_silence_ms
+from tests.audio.speech import steady_piper_speech
 
 RATE = 16000
 TOL_MS = 150
@@ -29,7 +30,7 @@ def _feed(vad, x, chunk):
 
 @pytest.fixture(scope="module")
 def piper_clip():
-    return piper_speech("What is the capital of France?")
+    return steady_piper_speech("What is the capital of France?")
 
 
 @pytest.mark.parametrize("chunk", [160, 480, 512, 4000])
@@ -116,7 +117,7 @@ def test_vad_end_is_where_the_voice_stops(noise_db):
     turn's loudest count as silence, so audio_end_ms is the voice's end and speech_stopped comes silence_duration_ms
     after it (not after silero's lag). Also under a noise floor 60 dB down."""
     rng = np.random.default_rng(1)
-    for speech in (piper_speech("How many legs does a spider have?"), espeak_speech("tell me a short story")):
+    for speech in (steady_piper_speech("How many legs does a spider have?"), espeak_speech("tell me a short story")):
         clip, _, end = _place(speech, 300, 1000)
         if noise_db is not None:
             clip = clip + rng.normal(0, 10 ** (noise_db / 20), len(clip)).astype(np.float32)

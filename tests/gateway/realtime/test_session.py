@@ -6,20 +6,15 @@ the default model is tiny and runs in fp32 on CPU.
 from __future__ import annotations
 
 import asyncio
-import re
 
+import httpx
 import orjson
 import pytest
 import websockets
 from openai import AsyncOpenAI
-from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
-from openai.types.realtime import RealtimeServerEvent as GAServerEvent
 from pydantic import TypeAdapter
 
-GA_EVENTS = TypeAdapter(GAServerEvent)
-BETA_EVENTS = TypeAdapter(BetaServerEvent)
-ID_PREFIX = {"resp": re.compile(r"^resp_[A-Za-z0-9]{22}$"), "item": re.compile(r"^item_[A-Za-z0-9]{22}$"),
-             "event": re.compile(r"^event_[A-Za-z0-9]{22}$")}
+from tests.gateway.realtime.client import BETA_EVENTS, GA_EVENTS, ID_PREFIX, Raw, expect_error, open_raw
 TEXT_SESSION = {"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 24,
                 "instructions": "You are a concise assistant. Answer in one short sentence."}
 
@@ -59,7 +54,7 @@ async def run_turn(conn, adapter, text: str, seen: list) -> tuple[str, dict, lis
         if ev["type"] in ("conversation.item.done", "conversation.item.created"):
             assert ev["item"]["role"] == "user"
             break
-    await conn.response.create()
+    await conn.response.create(response={"temperature": 0})  # greedy: the asserts hold for every run
     types, deltas = [], []
     while True:
         ev = await recv_validated(conn, adapter, seen)
@@ -133,53 +128,6 @@ async def test_sdk_beta_three_turns(server):
     await server.wait_idle()
 
 
-# ------------------------------------------------------------------------------------------------ raw websockets
-
-class Raw:
-    """A raw `websockets` client that validates every server event against the SDK union of its dialect."""
-
-    def __init__(self, ws, adapter: TypeAdapter = GA_EVENTS):
-        self.ws, self.adapter, self.n = ws, adapter, 0
-
-    async def send(self, event: dict | str | bytes) -> None:
-        await self.ws.send(event if isinstance(event, (str, bytes)) else orjson.dumps(event).decode())
-
-    async def recv(self, timeout: float = 60) -> dict:
-        data = orjson.loads(await asyncio.wait_for(self.ws.recv(), timeout))
-        self.adapter.validate_python(data, strict=True)
-        return data
-
-    async def until(self, etype: str, timeout: float = 60) -> list[dict]:
-        events = []
-        while True:
-            events.append(await self.recv(timeout))
-            if events[-1]["type"] == etype:
-                return events
-
-    async def say(self, text: str, **item) -> dict:
-        await self.send({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}], **item}})
-        return (await self.until("conversation.item.done"))[-1]
-
-    async def respond(self, response: dict | None = None) -> tuple[str, dict, list[dict]]:
-        await self.send({"type": "response.create", **({"response": response} if response else {})})
-        events = await self.until("response.done")
-        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-        return text, events[-1]["response"], events
-
-
-async def open_raw(server, max_output_tokens: int = 16, instructions: str | None = None, **kw) -> Raw:
-    ws = await websockets.connect(server.realtime_url, max_size=None, **kw)
-    raw = Raw(ws)
-    assert (await raw.recv())["type"] == "session.created"
-    session = {"type": "realtime", "output_modalities": ["text"], "max_output_tokens": max_output_tokens}
-    if instructions is not None:
-        session["instructions"] = instructions
-    await raw.send({"type": "session.update", "session": session})
-    assert (await raw.recv())["type"] == "session.updated"
-    return raw
-
-
 async def test_handshake_subprotocols_and_auth(server):
     key_url = f"ws://{server.auth_prefix}/v1/realtime?model=gpt-realtime"
     # Browser style: `realtime` + key subprotocol → `realtime` echoed, authenticated.
@@ -217,90 +165,6 @@ async def test_handshake_subprotocols_and_auth(server):
     assert info.value.response.status_code == 403
     async with websockets.connect(server.realtime_url, origin=server.root_url) as ws:
         assert (await Raw(ws).recv())["type"] == "session.created"
-
-
-async def test_prefix_reuse_across_turns(server):
-    """Turn N's prompt is turn N-1's prompt + answer + the new user turn; only the new turn is prefilled."""
-    block = server.engine.engine.args.block_size
-    raw = await open_raw(server, max_output_tokens=16,
-                         instructions="You are a helpful assistant who answers every question briefly. " * 8)
-    previous = None
-    for n, question in enumerate(["Tell me about the moon.", "What about the sun?", "And Mars?", "And Venus?"]):
-        await raw.say(question)
-        hits_before = server.stats()["prefix_cache_hits"]
-        _, response, _ = await raw.respond()
-        usage = response["usage"]
-        cached = usage["input_token_details"]["cached_tokens"]
-        assert server.stats()["prefix_cache_hits"] - hits_before >= cached
-        if previous is not None:
-            carried = previous["input_tokens"] + previous["output_tokens"]  # what the last turn left in the cache
-            new_turn = usage["input_tokens"] - carried
-            assert new_turn > 0
-            # everything before the new turn is served from the cache, up to the last partial block
-            assert cached >= (carried - 1) // block * block, (n, usage, previous)
-            assert usage["input_tokens"] - cached <= new_turn + block
-        previous = usage
-    await raw.ws.close()
-    await server.wait_idle()
-    assert server.stats()["kv_pages_used"] == 0
-
-
-async def test_cancel_mid_stream_frees_blocks(server):
-    await server.wait_idle()
-    raw = await open_raw(server, max_output_tokens=4096)
-    await raw.say("Write a very long story about a dragon and a knight, with many details.")
-    await raw.send({"type": "response.create", "response": {"max_output_tokens": "inf"}})
-    events = []
-    while True:
-        events.append(await raw.recv())
-        if events[-1]["type"] == "response.output_text.delta":
-            break
-    await raw.send({"type": "response.cancel", "event_id": "evt_cancel_1"})
-    events += await raw.until("response.done")
-    response = events[-1]["response"]
-    assert response["status"] == "cancelled"
-    assert response["status_details"]["reason"] == "client_cancelled"
-    assert response["output"][0]["status"] == "incomplete"
-    assert not [e for e in events if e["type"] == "error"]
-    s = await server.wait_idle()
-    assert s["requests_running"] == 0 and s["kv_pages_used"] == 0  # aborted: nothing held, nothing pinned
-    # Cancel sent right behind its response.create (likely handled before the response task first runs).
-    await raw.ws.send(orjson.dumps({"type": "response.create"}).decode())
-    await raw.ws.send(orjson.dumps({"type": "response.cancel"}).decode())
-    events = await raw.until("response.done")
-    assert events[-1]["response"]["status"] == "cancelled"
-    assert not [e for e in events if e["type"] == "error"]
-    assert (await server.wait_idle())["kv_pages_used"] == 0
-    # The session goes on; the cancelled partial answer stays in the conversation.
-    await raw.say("Just say hello.")
-    _, response, _ = await raw.respond({"max_output_tokens": 8})
-    assert response["status"] in ("completed", "incomplete")
-    await raw.ws.close()
-
-
-async def test_disconnect_mid_response_aborts(server):
-    await server.wait_idle()
-    raw = await open_raw(server, max_output_tokens=4096)
-    await raw.say("Count from one to one thousand in words.")
-    await raw.send({"type": "response.create"})
-    while (await raw.recv())["type"] != "response.output_text.delta":
-        pass
-    assert server.stats()["requests_running"] + server.stats()["requests_waiting"] == 1
-    await raw.ws.close()
-    s = await server.wait_idle()
-    assert s["requests_running"] == 0 and s["requests_waiting"] == 0 and s["kv_pages_used"] == 0
-
-
-async def expect_error(raw: Raw, event: dict | str | bytes, code: str, param: str | None,
-                       event_id: str | None) -> dict:
-    """Send one bad event; the very next event must be one `error` naming it."""
-    await raw.send(event)
-    ev = await raw.recv()
-    assert ev["type"] == "error", ev
-    err = ev["error"]
-    assert (err["code"], err["param"], err["event_id"]) == (code, param, event_id), err
-    assert err["type"] == "invalid_request_error" and err["message"]
-    return err
 
 
 async def test_errors_each_answered_once_and_session_continues(server):
@@ -355,7 +219,7 @@ async def test_errors_each_answered_once_and_session_continues(server):
     assert errors[0]["error"]["event_id"] == "e18"
     # ... and after all that, a normal turn works.
     await raw.say("Say hi.")
-    text, response, _ = await raw.respond()
+    text, response, _ = await raw.respond({"temperature": 0})
     assert response["status"] in ("completed", "incomplete") and text
     await raw.ws.close()
 
@@ -435,10 +299,14 @@ async def test_32_concurrent_sessions(server):
 
 async def test_stalled_reader_is_disconnected_without_slowing_others(server):
     """A client that stops reading fills its bounded send queue and is dropped; other sessions carry on."""
-    gauge = server.tight_app.state.metrics.sessions_active
+    def sessions_active() -> float:  # the tight app's own gauge, from its /metrics
+        text = httpx.get(f"http://{server.tight_prefix}/metrics", timeout=10).text
+        return float(next(line.split()[1] for line in text.splitlines() if line.startswith("rtserve_sessions_active ")))
+
     ws = await websockets.connect(f"ws://{server.tight_prefix}/v1/realtime", max_size=None, max_queue=1)
     stalled = Raw(ws)
     assert (await stalled.recv())["type"] == "session.created"
+    assert sessions_active() == 1
     await stalled.send({"type": "conversation.item.create", "item": {
         "id": "big", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 200_000}]}})
     for _ in range(300):  # ~60 MB of answers that the client never reads
@@ -449,10 +317,10 @@ async def test_stalled_reader_is_disconnected_without_slowing_others(server):
     assert response["status"] in ("completed", "incomplete")
     await other.ws.close()
     for _ in range(300):
-        if gauge._value.get() == 0:
+        if sessions_active() == 0:
             break
         await asyncio.sleep(0.1)
-    assert gauge._value.get() == 0  # the server ended the stalled session
+    assert sessions_active() == 0  # the server ended the stalled session
     ws.transport.abort()
 
 
@@ -475,3 +343,48 @@ async def test_cache_salt_isolates_tenants(server):
     assert await first_turn_cached("tenant-a") == 0
     assert await first_turn_cached("tenant-a") > 64  # same tenant: the shared prefix is found
     assert await first_turn_cached("tenant-b") == 0  # another tenant: isolated
+
+
+async def test_pins_give_way_to_live_requests_under_kv_pressure(small_server):
+    """Idle sessions keep their conversation's KV pinned, at most `pinned_blocks_fraction` of the pool (the least
+    recently used session's pin goes first); a live request that needs more pages than the unpinned ones is served
+    by releasing pins, and the sessions go on (their next turns prefill again and pin again)."""
+    server = small_server
+    total = server.stats()["kv_pages_total"]
+    cap = int(total * server.engine.engine.args.pinned_blocks_fraction)
+    raws, pinned = [], []
+    for i in range(4):  # distinct instructions: no shared prefix between the sessions
+        raw = await open_raw(server, max_output_tokens=8,
+                             instructions=f"Session {i}: you are assistant number {i} of many. " * 16)
+        await raw.say(f"Hello from session {i}.")
+        _, response, _ = await raw.respond()
+        assert response["status"] in ("completed", "incomplete")
+        s = await server.wait_idle(pinned_ok=True)
+        assert 0 < s["kv_pages_pinned"] <= cap, (s, cap)  # the cap holds however many sessions pin
+        pinned.append(s["kv_pages_pinned"])
+        raws.append(raw)
+    assert 4 * pinned[0] > cap  # (sizes: four sessions' pins do not fit under the cap, so it dropped the oldest)
+    # One HTTP request whose prompt needs more pages than the pins leave free.
+    s = server.stats()
+    page = s["kv_page_size"]
+    need = total - s["kv_pages_pinned"] + 8
+    prompt = [server.engine.engine.tokenizer.encode(" ocean", add_special_tokens=False)[0]] * (need * page)
+    assert len(prompt) < server.engine.max_model_len - 8 and need * page < total * page
+    async with httpx.AsyncClient(timeout=300) as h:
+        r = await h.post(f"{server.base_url}/completions",
+                         json={"model": "x", "prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == len(prompt) and body["choices"][0]["finish_reason"] == "length"
+    after = await server.wait_idle(pinned_ok=True)
+    assert after["kv_pages_pinned"] < s["kv_pages_pinned"], (s, after)  # pins were released for it
+    # Every session still answers, and pins its conversation again.
+    for raw in raws:
+        await raw.say("Again, please.")
+        _, response, _ = await raw.respond()
+        assert response["status"] in ("completed", "incomplete")
+        assert (await server.wait_idle(pinned_ok=True))["kv_pages_pinned"] > 0
+    for raw in raws:
+        await raw.ws.close()
+    s = await server.wait_idle()
+    assert s["kv_pages_pinned"] == 0 and s["kv_pages_used"] == 0

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from audio.codecs import encode_audio
-from tests.test_voice_realtime import PCM16, QUESTION, ULAW, VOICE_SESSION, check_plausible_speech, check_turn, \
-    open_voice, response_audio, utterance, wer
+from tests.gateway.realtime.client import ALAW, PCM16, QUESTION, ULAW, VOICE_SESSION, check_plausible_speech, \
+    check_turn, open_voice, response_audio, utterance, wer
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,8 @@ async def test_manual_commit_min_duration_and_clear(server):
     pcm, _, _ = utterance(QUESTION, PCM16, tail_ms=300)
     await raw.stream(pcm, PCM16)
     await raw.send({"type": "input_audio_buffer.commit"})
-    await raw.send({"type": "response.create"})  # sent at once: the response waits for the commit's transcript
+    # sent at once: the response waits for the commit's transcript (greedy: the reply is not empty on any run)
+    await raw.send({"type": "response.create", "response": {"temperature": 0}})
     events = await raw.until("response.done")
     types = [e["type"] for e in events]
     assert "input_audio_buffer.speech_started" not in types  # turn_detection null: no VAD
@@ -182,4 +183,71 @@ async def test_transcription_failure_is_reported_and_session_goes_on(server):
     await raw.send({"type": "input_audio_buffer.commit"})
     completed = (await raw.until("conversation.item.input_audio_transcription.completed"))[-1]
     assert wer(QUESTION, completed["transcript"]) <= 0.2
+    await raw.ws.close()
+
+
+def quietest_frame_rms(audio: np.ndarray, rate: int) -> float:
+    hop = rate // 50  # 20 ms
+    n = len(audio) // hop
+    return float(np.sqrt((audio[:n * hop].astype(np.float64).reshape(n, hop) ** 2).mean(axis=1)).min())
+
+
+async def test_g711_alaw_round_trip_ga(server):
+    """A-law in (`audio/pcma`) is transcribed as what was said; the spoken reply comes back as A-law: its pauses
+    decode to near silence, which they would not under the other G.711 law (a few LSBs against hundreds)."""
+    raw = await open_voice(server, {**VOICE_SESSION, "audio": {"input": {"format": {"type": "audio/pcma"}},
+                                                               "output": {"format": {"type": "audio/pcma"}}}})
+    audio_config = raw.events[-1]["session"]["audio"]
+    assert audio_config["input"]["format"] == audio_config["output"]["format"] == {"type": "audio/pcma"}
+    alaw, on, off = utterance(QUESTION, ALAW)
+    await raw.stream(alaw, ALAW)
+    events = await raw.until("response.done")
+    check_turn(events, on, off)
+    assert events[-1]["response"]["audio"]["output"]["format"] == {"type": "audio/pcma"}
+    audio, transcript, _ = response_audio(events, ALAW)
+    check_plausible_speech(audio, transcript, ALAW)
+    assert quietest_frame_rms(audio, ALAW.rate) < 200
+    await raw.ws.close()
+
+
+async def test_create_response_false_waits_for_response_create(server):
+    """turn_detection.create_response false: the turn is detected, committed and transcribed, and no response starts
+    until the client asks for one."""
+    turn = {"type": "server_vad", "create_response": False}
+    raw = await open_voice(server, {**VOICE_SESSION, "output_modalities": ["text"],
+                                    "audio": {"input": {"turn_detection": turn}}})
+    assert raw.events[-1]["session"]["audio"]["input"]["turn_detection"]["create_response"] is False
+    pcm, on, off = utterance(QUESTION, PCM16)
+    await raw.stream(pcm, PCM16)
+    events = await raw.until("conversation.item.input_audio_transcription.completed")
+    completed = check_turn(events, on, off)
+    # a round trip after the turn's last event: anything the turn would have started was sent before its answer
+    await raw.send({"type": "conversation.item.retrieve", "item_id": completed["item_id"]})
+    events += await raw.until("conversation.item.retrieved")
+    assert not [e["type"] for e in events if e["type"].startswith("response.")], [e["type"] for e in events]
+    text, response, _ = await raw.respond({"temperature": 0})
+    assert response["status"] in ("completed", "incomplete") and text
+    await raw.ws.close()
+
+
+async def test_interrupt_response_false_lets_the_reply_go_on(server):
+    """turn_detection.interrupt_response false: the user speaks (and ends a turn) while a reply is generated; the
+    reply is not cancelled by it. (The reply is greedy and far longer than the speech; the client cancels it.)"""
+    turn = {"type": "server_vad", "interrupt_response": False}
+    raw = await open_voice(server, {**VOICE_SESSION, "output_modalities": ["text"], "max_output_tokens": "inf",
+                                    "audio": {"input": {"turn_detection": turn}}})
+    await raw.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "List the numbers from 1 to 500, separated by commas."}]}})
+    await raw.until("conversation.item.done")
+    await raw.send({"type": "response.create", "response": {"temperature": 0}})
+    events = await raw.until("response.output_text.delta")
+    pcm, on, off = utterance(QUESTION, PCM16)
+    await raw.stream(pcm, PCM16)
+    events += await raw.until("input_audio_buffer.committed")
+    types = [e["type"] for e in events]
+    assert "input_audio_buffer.speech_started" in types and "response.done" not in types, types
+    await raw.send({"type": "response.cancel"})
+    events += await raw.until("response.done")
+    done = events[-1]["response"]
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == "client_cancelled", done
     await raw.ws.close()

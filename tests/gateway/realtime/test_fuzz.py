@@ -12,7 +12,7 @@ import pytest
 import websockets
 
 from gateway.realtime.protocol import MAX_DEPTH
-from tests.test_gateway_realtime import BETA_EVENTS, Raw, expect_error, open_raw
+from tests.gateway.realtime.client import BETA_EVENTS, Raw, expect_error, open_raw
 
 
 def nested(depth: int):

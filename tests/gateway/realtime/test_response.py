@@ -1,0 +1,146 @@
+"""One response through the Realtime WebSocket: prefix reuse across turns, cancel and disconnect (the engine request
+stops), context overflow (the oldest items leave the prompt). Real engine and model."""
+from __future__ import annotations
+
+import httpx
+import orjson
+
+from tests.conftest import SMALL_CONTEXT
+from tests.gateway.realtime.client import open_raw
+
+LONG_TASK = "List the numbers from 1 to 500, separated by commas."
+# The greedy reply to LONG_TASK runs past PROBE_TOKENS without ending its turn (the probe in each abort test shows it
+# on this model), so a response that stops within ABORTED_WITHIN tokens of the cancel was stopped by the abort.
+PROBE_TOKENS = 256
+ABORTED_WITHIN = 96
+
+
+async def test_prefix_reuse_across_turns(server):
+    """Turn N's prompt is turn N-1's prompt + answer + the new user turn; only the new turn is prefilled."""
+    block = server.engine.engine.args.block_size
+    raw = await open_raw(server, max_output_tokens=16,
+                         instructions="You are a helpful assistant who answers every question briefly. " * 8)
+    previous = None
+    for n, question in enumerate(["Tell me about the moon.", "What about the sun?", "And Mars?", "And Venus?"]):
+        await raw.say(question)
+        hits_before = server.stats()["prefix_cache_hits"]
+        _, response, _ = await raw.respond()
+        usage = response["usage"]
+        cached = usage["input_token_details"]["cached_tokens"]
+        assert server.stats()["prefix_cache_hits"] - hits_before >= cached
+        if previous is not None:
+            carried = previous["input_tokens"] + previous["output_tokens"]  # what the last turn left in the cache
+            new_turn = usage["input_tokens"] - carried
+            assert new_turn > 0
+            # everything before the new turn is served from the cache, up to the last partial block
+            assert cached >= (carried - 1) // block * block, (n, usage, previous)
+            assert usage["input_tokens"] - cached <= new_turn + block
+        previous = usage
+    await raw.ws.close()
+    await server.wait_idle()
+    assert server.stats()["kv_pages_used"] == 0
+
+
+async def probe_runs_long(raw) -> None:
+    """The greedy reply to the session's one user item runs PROBE_TOKENS tokens without ending (out of band: the
+    conversation is unchanged, and the prompt is the one the test's own response renders)."""
+    item_id = raw.events[[e["type"] for e in raw.events].index("conversation.item.done")]["item"]["id"]
+    _, probe, _ = await raw.respond({"conversation": "none", "temperature": 0, "max_output_tokens": PROBE_TOKENS,
+                                     "input": [{"type": "item_reference", "id": item_id}]})
+    assert probe["status"] == "incomplete" and probe["usage"]["output_tokens"] == PROBE_TOKENS, probe
+
+
+async def first_text_delta(raw) -> list[dict]:
+    events = [await raw.recv()]
+    while events[-1]["type"] != "response.output_text.delta":
+        events.append(await raw.recv())
+    return events
+
+
+async def test_cancel_mid_stream_stops_the_engine_request(server):
+    base = await server.wait_idle()
+    raw = await open_raw(server, max_output_tokens="inf")
+    await raw.say(LONG_TASK)
+    await probe_runs_long(raw)
+    tokens = (await server.wait_idle())["generated_tokens_total"]
+    await raw.send({"type": "response.create", "response": {"temperature": 0}})
+    events = await first_text_delta(raw)
+    live = server.stats()
+    assert live["requests_running"] == 1, live  # still generating when the cancel goes out
+    await raw.send({"type": "response.cancel", "event_id": "evt_cancel_1"})
+    events += await raw.until("response.done")
+    response = events[-1]["response"]
+    assert response["status"] == "cancelled"
+    assert response["status_details"]["reason"] == "client_cancelled"
+    assert response["output"][0]["status"] == "incomplete"
+    assert not [e for e in events if e["type"] == "error"]
+    s = await server.wait_idle(pages_used=base["kv_pages_used"])  # aborted: nothing held, nothing pinned
+    assert s["kv_pages_pinned"] == base["kv_pages_pinned"], (base, s)
+    assert s["generated_tokens_total"] - tokens < ABORTED_WITHIN, s["generated_tokens_total"] - tokens
+    # Cancel sent right behind its response.create (likely handled before the response task first runs).
+    await raw.ws.send(orjson.dumps({"type": "response.create"}).decode())
+    await raw.ws.send(orjson.dumps({"type": "response.cancel"}).decode())
+    events = await raw.until("response.done")
+    assert events[-1]["response"]["status"] == "cancelled"
+    assert not [e for e in events if e["type"] == "error"]
+    await server.wait_idle(pages_used=base["kv_pages_used"])
+    # The session goes on; the cancelled partial answer stays in the conversation.
+    await raw.say("Just say hello.")
+    _, response, _ = await raw.respond({"max_output_tokens": 8})
+    assert response["status"] in ("completed", "incomplete")
+    await raw.ws.close()
+
+
+async def test_disconnect_mid_response_aborts(server):
+    base = await server.wait_idle()
+    raw = await open_raw(server, max_output_tokens="inf")
+    await raw.say(LONG_TASK)
+    await probe_runs_long(raw)
+    tokens = (await server.wait_idle())["generated_tokens_total"]
+    await raw.send({"type": "response.create", "response": {"temperature": 0}})
+    await first_text_delta(raw)
+    live = server.stats()
+    assert live["requests_running"] + live["requests_waiting"] == 1, live
+    await raw.ws.close()
+    s = await server.wait_idle(pages_used=base["kv_pages_used"])
+    assert s["kv_pages_pinned"] == base["kv_pages_pinned"], (base, s)
+    assert s["generated_tokens_total"] - tokens < ABORTED_WITHIN, s["generated_tokens_total"] - tokens
+
+
+async def chat_prompt_tokens(server, messages: list[dict]) -> int | None:
+    """The prompt length of `messages` as the HTTP API renders them (the same model's chat template); None when the
+    HTTP API refuses them for not fitting the model's context."""
+    async with httpx.AsyncClient(timeout=120) as h:
+        r = await h.post(f"{server.base_url}/chat/completions",
+                         json={"model": "x", "max_tokens": 1, "messages": messages})
+    if r.status_code == 400 and "does not fit" in r.json()["error"]["message"]:
+        return None
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"]
+
+
+async def test_context_overflow_drops_the_oldest_items(small_server):
+    """A conversation longer than the model's context: the response still completes, on a prompt without the
+    oldest items (OpenAI's `truncation: auto`); the items stay in the conversation."""
+    server = small_server
+    old, newer, question = "apple " * 500, "river " * 500, "Which word did I repeat?"
+    raw = await open_raw(server, max_output_tokens=8, instructions="Be brief.")
+    ids = [(await raw.say(text))["item"]["id"] for text in (old, newer, question)]
+    system = [{"role": "system", "content": "Be brief."}]
+    full = await chat_prompt_tokens(server, system + [{"role": "user", "content": t} for t in (old, newer, question)])
+    assert full is None  # the whole conversation does not fit the context
+    kept = await chat_prompt_tokens(server, system + [{"role": "user", "content": t} for t in (newer, question)])
+    assert kept is not None and kept < SMALL_CONTEXT - 8
+    _, response, events = await raw.respond()
+    assert response["status"] in ("completed", "incomplete") and not [e for e in events if e["type"] == "error"]
+    assert response["usage"]["input_tokens"] == kept, (response["usage"], kept)
+    await raw.send({"type": "conversation.item.retrieve", "item_id": ids[0]})
+    got = (await raw.until("conversation.item.retrieved"))[-1]
+    assert got["item"]["content"][0]["text"] == old  # dropped from the prompt, not from the conversation
+    # The next turn fits again in the same way.
+    await raw.say("Thanks.")
+    _, response, _ = await raw.respond()
+    assert response["status"] in ("completed", "incomplete")
+    assert response["usage"]["input_tokens"] < SMALL_CONTEXT
+    await raw.ws.close()
+    await server.wait_idle()
