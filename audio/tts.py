@@ -216,7 +216,7 @@ class Synthesizer:
         The margin is the HiFi-GAN's receptive field, in frames of 256 samples: conv_pre (kernel 7) 3, the first
         upsampling 1, its widest resblock (kernel 7, dilations 3 and 12: 45 samples at 8x) 5.6, all later stages
         together 1.0; 10.7 in all. With 11 the windows equal the whole sentence up to rounding
-        (tests/test_audio_tts.py); with fewer they do not."""
+        (tests/audio/test_tts.py); with fewer they do not."""
         lo, hi = max(0, start - MARGIN_FRAMES), min(z.shape[2], stop + MARGIN_FRAMES)
         y = self.vocoder.run(None, {self.vocoder.get_inputs()[0].name: np.ascontiguousarray(z[:, :, lo:hi])})[0]
         return y.reshape(-1)[(start - lo) * self.hop:(stop - lo) * self.hop]
