@@ -154,6 +154,24 @@ def get_max_tokens(obj: dict, key: str, param: str) -> int | str | None:
     return value
 
 
+def drop_nulls(value: Any, keep: frozenset[str], opaque: frozenset[str], path: str = "") -> Any:
+    """A copy of a client object without its null members: in the Realtime API a null field means "not set", as the
+    SDK's types allow (LiveKit's plugin sends `instructions: null` on every reply). `keep` names the paths where null
+    means something (`turn_detection: null` turns VAD off); `opaque` the client data inside which nothing is touched
+    (a JSON schema's `"default": null` is part of the schema). Paths are dotted, `[]` standing for a list element."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            sub = f"{path}.{k}" if path else k
+            if v is None and sub not in keep:
+                continue
+            out[k] = v if sub in opaque else drop_nulls(v, keep, opaque, sub)
+        return out
+    if isinstance(value, list):
+        return [drop_nulls(v, keep, opaque, path + "[]") for v in value]
+    return value
+
+
 def get_metadata(obj: dict, key: str, param: str) -> dict | None:
     meta = get_dict(obj, key, param, nullable=True)
     if meta is None:

@@ -29,6 +29,17 @@ _BETA_FIELDS = {"type", "model", "modalities", "instructions", "voice", "input_a
                 "input_audio_transcription", "input_audio_noise_reduction", "turn_detection", "tools", "tool_choice",
                 "temperature", "max_response_output_tokens", "speed", "tracing", "include"}
 
+# Null means "not set": a null field of session.update leaves the session's value, one of response.create takes the
+# session's. Except where null is a value: the SDK documents null as "off" for turn detection, transcription, noise
+# reduction and tracing; `include`, `prompt` and `reasoning` null clear them (LiveKit clears reasoning so).
+_NULL_MEANS = {p.GA: frozenset({"audio.input.turn_detection", "audio.input.transcription",
+                                 "audio.input.noise_reduction", "tracing", "include", "prompt", "reasoning"}),
+               p.BETA: frozenset({"turn_detection", "input_audio_transcription", "input_audio_noise_reduction",
+                                  "tracing", "include"})}
+# Client data passed through as sent (JSON schemas, metadata, items): their nulls are content.
+_SESSION_OPAQUE = frozenset({"tools[].parameters", "tools[].headers", "tracing.metadata", "prompt.variables"})
+_RESPONSE_OPAQUE = frozenset({"tools[].parameters", "tools[].headers", "prompt.variables", "metadata", "input"})
+
 
 def default_session(session_id: str, model: str) -> dict:
     """GA defaults. `output_modalities` is ["audio"] as in OpenAI's service; see session.py for the text build."""
@@ -71,6 +82,11 @@ def apply_update(session: dict, update: Any, dialect: str) -> dict:
     """Validate `update` (the `session` field of session.update) and return the new session; raises ProtocolError."""
     if not isinstance(update, dict):
         raise p.wrong_type("session", "an object", update)
+    # Top-level names are checked before the nulls go: a GA client's `turn_detection: null` (the beta name) must not
+    # pass silently for "VAD off". Below, a null the SDK knows and rtserve does not (`noise_reduction.strength`) is
+    # simply not set.
+    p.check_known(update, (_BETA_FIELDS if dialect == p.BETA else _GA_FIELDS) | _READ_ONLY, "session")
+    update = p.drop_nulls(update, _NULL_MEANS[dialect], _SESSION_OPAQUE)
     new = copy.deepcopy(session)
     if dialect == p.BETA:
         _apply_beta(new, update)
@@ -80,7 +96,6 @@ def apply_update(session: dict, update: Any, dialect: str) -> dict:
 
 
 def _apply_ga(s: dict, u: dict) -> None:
-    p.check_known(u, _GA_FIELDS | _READ_ONLY, "session")
     if "type" in u:  # "transcription": the GA way to make this a transcription-only session
         s["type"] = p.check_choice(u["type"], "session.type", ("realtime", "transcription"))
     if (model := p.get_str(u, "model", "session.model")) is not None:
@@ -106,7 +121,6 @@ def _apply_ga(s: dict, u: dict) -> None:
 
 
 def _apply_beta(s: dict, u: dict) -> None:
-    p.check_known(u, _BETA_FIELDS | _READ_ONLY, "session")
     if "type" in u:
         p.check_choice(u["type"], "session.type", ("realtime",))
     if (model := p.get_str(u, "model", "session.model")) is not None:
@@ -296,9 +310,11 @@ def check_prompt(value: Any, param: str) -> dict | None:
     return value
 
 
-def check_reasoning(value: Any, param: str) -> dict:
+def check_reasoning(value: Any, param: str) -> dict | None:
+    if value is None:
+        return None
     if not isinstance(value, dict):
-        raise p.wrong_type(param, "an object", value)
+        raise p.wrong_type(param, "an object or null", value)
     p.check_known(value, {"effort"}, param)
     if "effort" in value:
         p.check_choice(value["effort"], param + ".effort", ("minimal", "low", "medium", "high", "xhigh"))
@@ -344,7 +360,8 @@ def response_params(session: dict, raw: Any, dialect: str) -> ResponseParams:
              "parallel_tool_calls", "reasoning", "temperature"}
     known |= ({"modalities", "voice", "output_audio_format", "max_response_output_tokens"} if beta
               else {"output_modalities", "audio", "max_output_tokens"})
-    p.check_known(raw, known, "response")
+    p.check_known(raw, known, "response")  # before the nulls go: a null of the other dialect's field is a mistake
+    raw = p.drop_nulls(raw, frozenset(), _RESPONSE_OPAQUE)
     if (instr := p.get_str(raw, "instructions", "response.instructions")) is not None:
         params.instructions = instr
     if beta:
