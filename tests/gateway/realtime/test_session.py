@@ -388,3 +388,103 @@ async def test_pins_give_way_to_live_requests_under_kv_pressure(small_server):
         await raw.ws.close()
     s = await server.wait_idle()
     assert s["kv_pages_pinned"] == 0 and s["kv_pages_used"] == 0
+
+
+def _all_null(model, **given):
+    """An SDK request model with every optional field set to None (so `exclude_unset` sends it as null), as LiveKit's
+    plugin builds them, except the fields `given`."""
+    return model(**{k: None for k, f in model.model_fields.items() if not f.is_required()} | given)
+
+
+async def _user_turn(conn, adapter, seen: list, text: str) -> None:
+    await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                              "content": [{"type": "input_text", "text": text}]})
+    while (await recv_validated(conn, adapter, seen))["type"] not in ("conversation.item.done",
+                                                                       "conversation.item.created"):
+        pass
+
+
+async def _until_done(conn, adapter, seen: list) -> dict:
+    while (ev := await recv_validated(conn, adapter, seen))["type"] != "response.done":
+        assert ev["type"] != "error", ev
+    return ev["response"]
+
+
+@pytest.mark.parametrize("beta", [False, True], ids=["ga", "beta"])
+async def test_sdk_null_fields_mean_not_set(server, beta):
+    """LiveKit's plugin style: SDK request models whose unused fields are None, sent as null (`exclude_unset`);
+    `generate_reply()` sends `response.instructions: null` with its metadata. Every null field is "not set"."""
+    from openai.types import realtime as ga
+    from openai.types.beta.realtime import response_create_event as beta_create
+    from openai.types.beta.realtime import session_update_event as beta_update
+
+    adapter = BETA_EVENTS if beta else GA_EVENTS
+    instructions = "You are a concise assistant. Answer in one short sentence."
+    question = "What is the capital of France?"
+    if beta:
+        settings = {"modalities": ["text"], "max_response_output_tokens": 16, "instructions": instructions}
+        session_update = beta_update.SessionUpdateEvent(type="session.update",
+                                                        session=_all_null(beta_update.Session, **settings))
+        null_update = beta_update.SessionUpdateEvent(type="session.update", session=_all_null(beta_update.Session))
+        reply = beta_create.ResponseCreateEvent(type="response.create", event_id="response_create_1",
+                                                response=_all_null(beta_create.Response,
+                                                                   metadata={"client_event_id": "response_create_1"}))
+    else:
+        settings = {"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 16,
+                    "instructions": instructions}
+        audio = ga.RealtimeAudioConfig(input=_all_null(ga.RealtimeAudioConfigInput),
+                                       output=_all_null(ga.RealtimeAudioConfigOutput))
+        session_update = ga.SessionUpdateEvent(type="session.update", session=_all_null(
+            ga.RealtimeSessionCreateRequest, audio=audio, **settings))
+        null_update = ga.SessionUpdateEvent(type="session.update",
+                                            session=_all_null(ga.RealtimeSessionCreateRequest, type="realtime"))
+        response_audio = ga.RealtimeResponseCreateAudioOutput(output=_all_null(
+            ga.realtime_response_create_audio_output.Output))
+        reply = ga.ResponseCreateEvent(type="response.create", event_id="response_create_1", response=_all_null(
+            ga.RealtimeResponseCreateParams, audio=response_audio, metadata={"client_event_id": "response_create_1"}))
+    assert '"instructions":null' in reply.to_json(use_api_names=True, exclude_unset=True, indent=None)
+
+    client = sdk_client(server)
+    connect = client.beta.realtime.connect(model="gpt-4o-realtime-preview") if beta else \
+        client.realtime.connect(model="gpt-realtime")
+    seen: list = []
+    async with connect as conn:
+        created = await recv_validated(conn, adapter, seen)
+        if beta:
+            await recv_validated(conn, adapter, seen)  # conversation.created
+        await conn.send(session_update)
+        updated = (await recv_validated(conn, adapter, seen))["session"]
+        assert updated["instructions"] == instructions
+        if beta:  # untouched by null: voice, temperature; null is "off" for VAD, transcription, noise reduction
+            assert updated["voice"] == created["session"]["voice"] and updated["temperature"] == 0.8
+            assert updated["turn_detection"] is None and updated["input_audio_transcription"] is None
+            assert updated["modalities"] == ["text"] and updated["max_response_output_tokens"] == 16
+        else:
+            assert updated["audio"]["output"] == created["session"]["audio"]["output"]
+            assert updated["audio"]["input"]["turn_detection"] is None
+            assert updated["output_modalities"] == ["text"] and updated["max_output_tokens"] == 16
+        await conn.send(null_update)  # all null: nothing changes
+        assert (await recv_validated(conn, adapter, seen))["session"] == updated
+        await _user_turn(conn, adapter, seen, question)
+        await conn.send(reply)
+        response = await _until_done(conn, adapter, seen)
+    assert response["status"] in ("completed", "incomplete"), response
+    assert response["metadata"] == {"client_event_id": "response_create_1"}
+    assert response["max_output_tokens"] == 16 and 1 <= response["usage"]["output_tokens"] <= 16
+    assert response["modalities" if beta else "output_modalities"] == ["text"]
+
+    # The same turn with nothing in response.create renders the same prompt: the session's instructions were used.
+    seen_ref: list = []
+    connect = client.beta.realtime.connect(model="gpt-4o-realtime-preview") if beta else \
+        client.realtime.connect(model="gpt-realtime")
+    async with connect as conn:
+        for _ in range(2 if beta else 1):
+            await recv_validated(conn, adapter, seen_ref)
+        await conn.session.update(session=settings)
+        await recv_validated(conn, adapter, seen_ref)
+        await _user_turn(conn, adapter, seen_ref, question)
+        await conn.response.create()
+        reference = await _until_done(conn, adapter, seen_ref)
+    assert response["usage"]["input_tokens"] == reference["usage"]["input_tokens"]
+    assert not [e for e in seen + seen_ref if e["type"] == "error"]
+    await server.wait_idle()

@@ -192,7 +192,8 @@ _BETA_RESPONSE = (beta_create.Response, beta_create_param.Response)
 def _cases(dialect: str, roots: tuple) -> list:
     skip = ("input",)  # response.input holds conversation items, validated as items, not as settings
     paths = set().union(*(nullable_paths(r, skip) for r in roots))
-    return [pytest.param(dialect, roots[0], path, id=f"{dialect}-{roots[0].__name__}-{path.replace('[]', '*')}") for path in sorted(paths)]
+    return [pytest.param(dialect, roots[0], path, id=f"{dialect}-{roots[0].__name__}-{path.replace('[]', '*')}")
+            for path in sorted(paths)]
 
 
 def _outcome(fn):
@@ -209,7 +210,8 @@ def test_session_update_null_means_not_set(dialect, root, path):
     full, absent = with_null(root, path)
     got = _outcome(lambda: sc.apply_update(base, full, dialect))
     if path in _NEEDED:  # the same error as when the field is left out
-        assert got == _outcome(lambda: sc.apply_update(base, absent, dialect)) and got[0] == "missing_required_parameter"
+        assert got == _outcome(lambda: sc.apply_update(base, absent, dialect))
+        assert got[0] == "missing_required_parameter"
         return
     assert isinstance(got, dict), f"session.update with {path}: null refused: {got}"
     if path in _NULL_IS_A_VALUE[dialect]:  # "off": the field is null in the session whatever it was
