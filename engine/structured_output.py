@@ -11,7 +11,7 @@ Three pieces, as in vLLM v1:
   in place before sampling; `accept()` then advances each matcher by its sampled token. A batch without constrained rows
   never reaches this module (the engine checks `num_active` first).
 
-JSON schemas compile with `any_whitespace=False`: the separators are fixed (", " and ": "), because with free whitespace
+JSON schemas (and json_object, as the schema {"type": "object"}) compile with `any_whitespace=False`: the separators are fixed (", " and ": "), because with free whitespace
 a small model at temperature 1 can fill its whole budget with newlines inside an otherwise valid object.
 """
 from __future__ import annotations
@@ -84,7 +84,9 @@ class StructuredOutputManager:
             if kind == "json":
                 compiled = compiler.compile_json_schema(spec, any_whitespace=False)
             elif kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
+                # any object, with the same fixed separators (the builtin JSON grammar allows free whitespace)
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                        strict_mode=False)
             elif kind == "regex":
                 compiled = compiler.compile_regex(spec)
             elif kind == "choice":
