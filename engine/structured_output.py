@@ -33,12 +33,19 @@ _BIT = torch.arange(32, dtype=torch.int32)
 @torch.inference_mode()   # the runner's logits are inference tensors
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set to -inf, in place, the logits of `rows` whose token bit is 0 in that row of xgrammar's packed bitmask (bit j
-    of int32 word w is token 32 * w + j). Unpacking with torch ops and one masked_fill_ beats xgrammar's own CPU kernel
-    (apply_token_bitmask_inplace) several times over on mostly-allowed masks, the common case inside JSON strings."""
+    of int32 word w is token 32 * w + j).
+
+    xgrammar's CPU kernel skips all-allowed words, so it is the fast one for masks that allow most of the vocabulary
+    (inside a JSON string), but it writes -inf one token at a time, several times slower than unpacking the bits with
+    torch ops and one masked_fill_ when a mask allows few tokens (keys, numbers, enums). Pick by the share of
+    all-allowed words."""
     n, vocab = len(rows), logits.shape[1]
     whole = n == logits.shape[0] and rows[-1] == n - 1
     idx = None if whole else torch.tensor(rows)
     bits = bitmask[:n] if whole else bitmask[idx]
+    if (bits == -1).sum().item() * 2 > bits.numel():
+        xgr.apply_token_bitmask_inplace(logits, bitmask[:logits.shape[0]], indices=rows, backend="cpu")
+        return
     banned = ((bits.unsqueeze(-1) >> _BIT) & 1).view(n, -1)[:, :vocab] == 0
     if whole:
         logits.masked_fill_(banned, float("-inf"))
@@ -49,7 +56,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 def grammar_key(so: StructuredOutputsParams) -> tuple[str, str]:
     kind = so.kind
     if kind == "json":
-        spec = so.json if isinstance(so.json, str) else json.dumps(so.json, sort_keys=True, separators=(",", ":"))
+        # key order kept: xgrammar generates properties in the schema's order (as OpenAI's strict mode does)
+        spec = so.json if isinstance(so.json, str) else json.dumps(so.json, separators=(",", ":"))
     elif kind == "choice":
         spec = json.dumps(so.choice, ensure_ascii=False)
     elif kind == "json_object":

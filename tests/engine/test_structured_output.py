@@ -54,6 +54,7 @@ def test_json_schema_20_samples_at_temperature_1_all_validate(llm):
     for o in outs:
         assert o.finish_reason == "stop", (o.finish_reason, o.text)
         jsonschema.validate(json.loads(o.text), PERSON)
+        assert list(json.loads(o.text)) == list(PERSON["properties"]), "properties come in the schema's order"
     assert len({o.text for o in outs}) > 1, "seeded samples at temperature 1 should differ"
     assert llm.engine.stats()["structured_mask_steps"] > steps_before
     assert_no_matchers(llm)
