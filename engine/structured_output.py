@@ -11,8 +11,9 @@ Three pieces, as in vLLM v1:
   in place before sampling; `accept()` then advances each matcher by its sampled token. A batch without constrained rows
   never reaches this module (the engine checks `num_active` first).
 
-JSON schemas (and json_object, as the schema {"type": "object"}) compile with `any_whitespace=False`: the separators are fixed (", " and ": "), because with free whitespace
-a small model at temperature 1 can fill its whole budget with newlines inside an otherwise valid object.
+JSON schemas (and json_object, as the schema {"type": "object"}) compile with `any_whitespace=False`: the separators
+are fixed (", " and ": "), because with free whitespace a small model at temperature 1 can fill its whole budget with
+newlines inside an otherwise valid object.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ import xgrammar as xgr
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import StructuredOutputsParams
-
 
 _BIT = torch.arange(32, dtype=torch.int32)
 
