@@ -4,6 +4,14 @@ Workload (same for every system in the run): `--num-requests` prompts of random 
 [16, 256], output lengths uniform in [16, 128], EOS ignored (every request generates exactly its output length). Reports
 output tokens/s, the ratios against both HF baselines, and the KV waste at peak
 ((allocated slots - tokens stored) / allocated slots).
+
+`--structured json` adds, in every round and right after each engine run, the same workload with a JSON-schema
+constraint on every request (grammar-constrained decoding, engine/structured_output.py), and reports its tok/s, the
+ratio to the unconstrained run of the same round, and the engine's mask time per step (filling and applying the token
+bitmasks and advancing the matchers). The schema is an object with one string field whose minLength is more characters
+than the longest output can hold, so the grammar cannot end before `max_tokens` and every constrained request, like the
+unconstrained one, generates exactly its output length: both runs do the same model work and differ only by the
+grammar (a string field is also where most of a real JSON answer's tokens go).
 """
 from __future__ import annotations
 
@@ -26,22 +34,37 @@ def make_workload(n: int, seed: int, vocab: int, prompt_range=(16, 256), output_
     return prompts, outputs
 
 
-def bench_engine(prompts, outputs, dtype: str, engine_args: dict) -> dict:
-    from engine import LLM, SamplingParams
+def absorbing_schema(tokenizer, max_output: int) -> dict:
+    """A JSON schema whose one string field cannot close before `max_output` tokens: its minLength exceeds what that
+    many of the vocabulary's longest tokens spell."""
+    longest = max(map(len, tokenizer.batch_decode([[i] for i in range(len(tokenizer))])))
+    return {"type": "object", "properties": {"text": {"type": "string", "minLength": longest * max_output}},
+            "required": ["text"], "additionalProperties": False}
+
+
+def bench_engine(prompts, outputs, dtype: str, engine_args: dict, schema: dict | None = None) -> dict:
+    from engine import LLM, SamplingParams, StructuredOutputsParams
     llm = LLM(dtype=dtype, **engine_args)
-    llm.generate([prompts[0][:32]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))   # warm-up
+    so = StructuredOutputsParams(json=schema) if schema is not None else None
+    llm.generate([prompts[0][:32]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                   structured_outputs=so))   # warm-up (and the grammar's compile)
     llm.engine.peak_kv_waste = (0, 0)
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
+    before = llm.engine.stats()
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True, structured_outputs=so) for o in outputs]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in outs)
     assert n_out == sum(outputs), "engine did not produce the requested lengths"
+    after = llm.engine.stats()
+    steps = after["num_steps"] - before["num_steps"]
     alloc, stored = llm.engine.peak_kv_waste
     ttft = sorted(o.ttft_s for o in outs)
     return {"elapsed": elapsed, "tokens": n_out, "tok_s": n_out / elapsed, "steps": llm.engine.num_steps,
             "kv_waste": (alloc - stored) / alloc if alloc else 0.0, "ttft_p50": ttft[len(ttft) // 2],
-            "preemptions": llm.engine.scheduler.num_preemptions}
+            "preemptions": llm.engine.scheduler.num_preemptions,
+            "mask_ms_per_step": 1e3 * (after["structured_mask_s"] - before["structured_mask_s"]) / max(1, steps),
+            "step_ms": 1e3 * elapsed / max(1, steps)}
 
 
 def print_engine(label: str, eng: dict) -> None:
@@ -105,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (GPU)")
     ap.add_argument("--no-gguf-row", action="store_true",
                     help="skip the extra bf16 row with quantization=gguf (batches <= 8 rows on the GGUF's 4-bit blocks)")
+    ap.add_argument("--structured", choices=["json"], default=None,
+                    help="also run the workload with a JSON-schema constraint on every request (see above)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="rounds of (engine, HF static-8), interleaved, each engine on a fresh LLM (no prefix-cache "
                          "carry-over); a shared machine's speed drifts within minutes, so the table gives medians and "
@@ -115,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     import json
     vocab = json.loads((resolve_model_dir(None) / "config.json").read_text())["vocab_size"]
     prompts, outputs = make_workload(args.num_requests, args.seed, vocab)
+    schema = None
+    if args.structured == "json":
+        from transformers import AutoTokenizer
+        schema = absorbing_schema(AutoTokenizer.from_pretrained(resolve_model_dir(None)), max(outputs))
     engine_args = dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, page_size=args.page_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        attention_backend=args.attention_backend,
@@ -122,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens, "
           f"torch threads {torch.get_num_threads()}, {args.repeats} rounds", flush=True)
     rows = []
+    structured_runs: dict[str, list[tuple[dict, dict]]] = {}
     for dtype in (["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]):
         variants = [(dtype, engine_args)]
         if dtype == "bfloat16" and not args.no_gguf_row:   # same HF baselines: HF can only run the dequantized weights
@@ -134,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
                 eng = bench_engine(prompts, outputs, dtype, eargs)
                 runs[label].append(eng)
                 print_engine(f"{label}, round {r + 1}", eng)
+                if schema is not None:
+                    con = bench_engine(prompts, outputs, dtype, eargs, schema)
+                    structured_runs.setdefault(label, []).append((eng, con))
+                    print_engine(f"{label} + json schema, round {r + 1}", con)
+                    print(f"    mask {con['mask_ms_per_step']:.3f} ms/step of {con['step_ms']:.1f} ms/step, "
+                          f"{con['tok_s'] / eng['tok_s']:.3f}x unconstrained", flush=True)
             if model is not None:
                 stats.append(bench_hf_static(model, prompts, outputs))
                 print(f"[{dtype}, round {r + 1}] HF static batch 8: {stats[-1]['tok_s']:.1f} tok/s "
@@ -159,6 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         vs_stat = _median([e["tok_s"] / s["tok_s"] for e, s in zip(engs, stats)])
         print(f"| {label} | {eng:.1f} | {seq['tok_s']:.1f} | {stat:.1f} | {eng / seq['tok_s']:.1f}x | {vs_stat:.1f}x | "
               f"{waste:.2%} |")
+    if structured_runs:
+        print("\nconstrained (every request under a JSON schema) vs unconstrained, same workload, same rounds:\n"
+              "\n| dtype | requests | unconstrained tok/s | json schema tok/s | ratio | mask ms/step | step ms |")
+        print("|---|---|---|---|---|---|---|")
+        for label, pairs in structured_runs.items():
+            print(f"| {label} | {len(prompts)} | {_median([e['tok_s'] for e, _ in pairs]):.1f} | "
+                  f"{_median([c['tok_s'] for _, c in pairs]):.1f} | "
+                  f"{_median([c['tok_s'] / e['tok_s'] for e, c in pairs]):.3f}x | "
+                  f"{_median([c['mask_ms_per_step'] for _, c in pairs]):.3f} | "
+                  f"{_median([c['step_ms'] for _, c in pairs]):.1f} |")
     if args.repeats > 1:
         print("\nper round (rtserve tok/s / HF static-8 tok/s = ratio):")
         for label, engs, _, stats in rows:

@@ -2,7 +2,7 @@
 from engine.config import EngineArgs, parse_size
 from engine.errors import EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from engine.llm_engine import LLM, CompletionOutput, LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name):
@@ -13,4 +13,5 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput",
+           "StructuredOutputsParams",
            "EngineError", "InvalidRequestError", "ModelLoadError", "PromptTooLongError", "parse_size"]

@@ -44,6 +44,10 @@ class AsyncEngine:
             raise EngineDeadError(f"engine is not running: {self._error or 'shut down'}")
         request_id = request_id or f"areq-{next(self._ids)}"
         self.engine.validate(list(prompt_token_ids), params)     # raises before the first yield
+        if params.structured_outputs is not None:
+            # compile (or hit the cache) on a worker thread: a bad spec raises here, and a slow schema never stalls
+            # the engine thread, whose add_request then finds the grammar cached
+            await asyncio.to_thread(self.engine.structured.compile, params.structured_outputs)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)

@@ -23,6 +23,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import StructuredOutputManager
 
 
 @dataclass(slots=True)
@@ -79,6 +80,8 @@ class LLMEngine:
                                           max_pinned_pages=int(num_pages * args.pinned_blocks_fraction))
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.sampler = Sampler()
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                                                  max_threads=max(1, min(2, torch.get_num_threads())))
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
@@ -115,6 +118,8 @@ class LLMEngine:
         req = Request(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt, session_id=session_id)
         req.stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                                  else frozenset(self.eos_token_ids))
+        if params.structured_outputs is not None:   # compile errors raise here, before the request is queued
+            self.structured.add(request_id, params.structured_outputs)
         self.requests[request_id] = req
         self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         self.scheduler.add(req)
@@ -150,7 +155,11 @@ class LLMEngine:
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
         sampled_reqs = [sched.scheduled[i].request for i in rows]
-        tokens, logprobs = self.sampler(logits, sampled_reqs) if rows else ([], None)
+        mask = None
+        if self.structured.num_active:           # unconstrained batches skip the grammar entirely
+            ids = [r.request_id for r in sampled_reqs]
+            mask = lambda lg: self.structured.mask_logits(lg, ids)   # noqa: E731
+        tokens, logprobs = self.sampler(logits, sampled_reqs, mask) if rows else ([], None)
         now = time.monotonic()
         for s in sched.scheduled:
             self.block_manager.cache_full_blocks(s.request)
@@ -162,6 +171,9 @@ class LLMEngine:
                 req.first_token_time = now
             detok = self.detoks[req.request_id]
             status = self._check_stop(req, tok)
+            if mask is not None and self.structured.accept(req.request_id, tok) and status is None:
+                status = RequestStatus.FINISHED_STOPPED    # the grammar is complete (its stop token was accepted)
+                req.stop_reason = tok
             delta = "" if status == RequestStatus.FINISHED_STOPPED else detok.add(tok)   # a stop token has no text
             if detok.stopped_by is not None:
                 status = RequestStatus.FINISHED_STOPPED
@@ -185,6 +197,7 @@ class LLMEngine:
         if req.session_id is not None and status != RequestStatus.FINISHED_ABORTED:
             self.block_manager.pin(req.session_id, req)
         self.scheduler.finish(req, status)
+        self.structured.remove(req.request_id)
         self.requests.pop(req.request_id, None)
 
     def _output(self, req: Request, new_ids: list[int], delta: str, logprobs) -> RequestOutput:
@@ -207,7 +220,10 @@ class LLMEngine:
         s = self.block_manager.stats()
         s.update(requests_running=len(self.scheduler.running), requests_waiting=self.scheduler.num_waiting,
                  generated_tokens_total=self.generated_tokens_total, prompt_tokens_total=self.prompt_tokens_total,
-                 num_steps=self.num_steps, num_preemptions=self.scheduler.num_preemptions)
+                 num_steps=self.num_steps, num_preemptions=self.scheduler.num_preemptions,
+                 structured_requests=self.structured.num_active,
+                 structured_mask_steps=self.structured.mask_steps,
+                 structured_mask_s=self.structured.mask_seconds)
         return s
 
 

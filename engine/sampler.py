@@ -6,6 +6,8 @@ seed, so a seeded request gives the same tokens whatever else shares its batch (
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 import kernels
@@ -59,15 +61,22 @@ class Sampler:
     def __init__(self):
         self.generator = torch.Generator().manual_seed(torch.seed() % (2**63))
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list | None]:
-        """Returns one token per row, and per row (token logprob, top-n list) when any request asked for logprobs."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 grammar_mask: Callable[[torch.Tensor], None] | None = None) -> tuple[list[int], list | None]:
+        """Returns one token per row, and per row (token logprob, top-n list) when any request asked for logprobs.
+        `grammar_mask` masks, in place, the tokens each constrained row's grammar forbids (after penalties, before
+        greedy or random choice); logprobs stay those of the raw model distribution."""
         raw = logits
         want_logprobs = any(r.params.logprobs is not None for r in requests)
         logprobs = raw.log_softmax(-1) if want_logprobs else None
-        logits = logits.clone() if any(r.params.needs_penalties for r in requests) else logits
-        for row, r in enumerate(requests):
-            if r.params.needs_penalties:
-                apply_penalties(logits[row], r)
+        penalties = any(r.params.needs_penalties for r in requests)
+        logits = logits.clone() if penalties else logits
+        if penalties:
+            for row, r in enumerate(requests):
+                if r.params.needs_penalties:
+                    apply_penalties(logits[row], r)
+        if grammar_mask is not None:
+            grammar_mask(logits)
         tokens = kernels.argmax(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:

@@ -1,9 +1,63 @@
 """Per-request sampling settings, validated up front so a bad value fails the request, never the engine step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from engine.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's names); exactly one field is set. Compiled and enforced by
+    engine/structured_output.py."""
+    json: dict | str | None = None        # a JSON schema (dict, or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None       # the output is exactly one of these strings
+    grammar: str | None = None            # EBNF (xgrammar's GBNF dialect)
+    json_object: bool | None = None       # any JSON object
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, prefix: str = "structured_outputs") -> None:
+        def bad(name: str, why: str):
+            raise InvalidRequestError(f"invalid {prefix}.{name}: {why}" if name else f"invalid {prefix}: {why}",
+                                      param=f"{prefix}.{name}" if name else prefix)
+
+        set_ = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(set_) != 1:
+            bad("", f"exactly one of json, regex, choice, grammar, json_object must be set, got {set_ or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            bad("json", f"must be a JSON schema object or its JSON text, got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                bad(name, "must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            bad("choice", "must be a non-empty list of non-empty strings")
+        if self.json_object not in (None, True, False):
+            bad("json_object", f"must be a boolean, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, d: Any, prefix: str = "structured_outputs") -> StructuredOutputsParams:
+        if not isinstance(d, dict):
+            raise InvalidRequestError(f"invalid {prefix}: must be an object", param=prefix)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidRequestError(f"invalid {prefix}: unknown field {unknown[0]!r} (expected one of "
+                                      f"{sorted(known)})", param=f"{prefix}.{unknown[0]}")
+        obj = cls.__new__(cls)
+        for f in fields(cls):
+            setattr(obj, f.name, d.get(f.name))
+        obj.validate(prefix)
+        return obj
 
 
 @dataclass(slots=True)
@@ -21,12 +75,15 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n logprobs per output token (of the raw model distribution)
+    structured_outputs: StructuredOutputsParams | None = None   # grammar-constrained decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -52,6 +109,11 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", f"must be StructuredOutputsParams, got "
+                                          f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:

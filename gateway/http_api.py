@@ -1,6 +1,11 @@
 """OpenAI HTTP API: /v1/models, /v1/chat/completions, /v1/completions (streaming SSE and not), /health.
 
 HTTP requests are batch traffic: they run at priority 1, behind realtime turns.
+
+Structured outputs: OpenAI's `response_format` (json_object, json_schema) and vLLM's extra fields (`structured_outputs`
+and the older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`) become
+`SamplingParams.structured_outputs`, enforced by the engine's grammar-constrained decoding. A spec the grammar compiler
+rejects is a 400 whose `param` names the field the client sent.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from engine import SamplingParams
+from engine import SamplingParams, StructuredOutputsParams
 from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
 from gateway.realtime import protocol as p
 from gateway.handshake import bearer_ok
@@ -86,6 +91,69 @@ async def _body(request: Request) -> dict:
     return body
 
 
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}   # vLLM's older names for the structured_outputs fields
+
+
+def _structured(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's constraint and the body field it came from (for `param` in errors), or (None, None)."""
+    found: list[tuple[StructuredOutputsParams, str]] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise HTTPError(400, "response_format must be an object with a 'type' of text, json_object or "
+                                 "json_schema.", "invalid_value", "response_format")
+        kind = rf["type"]
+        if kind == "json_object":
+            found.append((StructuredOutputsParams(json_object=True), "response_format"))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise HTTPError(400, "response_format.json_schema must be an object with 'name' and 'schema'.",
+                                "invalid_value", "response_format.json_schema")
+            if not isinstance(js.get("name"), str) or not js["name"]:
+                raise HTTPError(400, "response_format.json_schema.name must be a non-empty string.",
+                                "invalid_value", "response_format.json_schema.name")
+            if js.get("strict") is not None and not isinstance(js["strict"], bool):
+                raise HTTPError(400, "response_format.json_schema.strict must be a boolean.", "invalid_type",
+                                "response_format.json_schema.strict")
+            schema = js.get("schema")
+            if schema is not None and not isinstance(schema, dict):
+                raise HTTPError(400, "response_format.json_schema.schema must be a JSON Schema object.",
+                                "invalid_type", "response_format.json_schema.schema")
+            so = StructuredOutputsParams(json=schema) if schema is not None else \
+                StructuredOutputsParams(json_object=True)   # no schema: any JSON object
+            found.append((so, "response_format.json_schema.schema"))
+        elif kind != "text":
+            raise HTTPError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}.",
+                            "invalid_value", "response_format.type")
+    try:
+        if body.get("structured_outputs") is not None:
+            found.append((StructuredOutputsParams.from_dict(body["structured_outputs"]), "structured_outputs"))
+        for name, field in GUIDED_FIELDS.items():
+            if body.get(name) is not None:
+                found.append((StructuredOutputsParams.from_dict({field: body[name]}, prefix=name), name))
+    except InvalidRequestError as exc:
+        param = exc.param or "structured_outputs"
+        if param.startswith("guided_") and "." in param:   # guided_json.json -> guided_json
+            param = param.split(".", 1)[0]
+        raise HTTPError(400, str(exc).replace(exc.param or "", param, 1), "invalid_value", param) from None
+    if len(found) > 1:
+        raise HTTPError(400, f"Set only one of response_format, structured_outputs and guided_*; got "
+                             f"{' and '.join(src.split('.')[0] for _, src in found)}.", "invalid_value", found[1][1])
+    return found[0] if found else (None, None)
+
+
+def _structured_param(exc: InvalidRequestError, source: str | None) -> tuple[str, str | None]:
+    """An engine error about structured_outputs.<kind>, told in terms of the field the client sent."""
+    msg, param = str(exc), exc.param
+    if source and param and param.startswith("structured_outputs"):
+        if source != "structured_outputs":
+            msg = msg.replace(param, source, 1)
+            param = source
+    return msg, param
+
+
 def _sampling(body: dict, engine, prompt_len: int) -> SamplingParams:
     """OpenAI body fields → SamplingParams; `max_tokens` defaults to what fits the context."""
     try:
@@ -110,9 +178,10 @@ def _sampling(body: dict, engine, prompt_len: int) -> SamplingParams:
         for key in ("top_k", "min_p", "repetition_penalty", "ignore_eos"):  # vLLM's extra fields
             if key in body:
                 kwargs[key] = body[key]
+        kwargs["structured_outputs"] = _structured(body)[0]
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except (InvalidRequestError, PromptTooLongError, TypeError, ValueError) as exc:
-        raise HTTPError(400, str(exc), "invalid_value") from None
+        raise HTTPError(400, str(exc), "invalid_value", getattr(exc, "param", None)) from None
 
 
 def _chat_prompt(body: dict, renderer) -> list[int]:
@@ -174,7 +243,8 @@ async def _complete(request: Request, chat: bool) -> Response:
     try:  # surface prompt errors (raised before the first output) as HTTP 400, not a broken stream
         first = await anext(gen)
     except (PromptTooLongError, InvalidRequestError) as exc:
-        raise HTTPError(400, str(exc), type(exc).__name__) from None
+        msg, param = _structured_param(exc, _structured(body)[1])
+        raise HTTPError(400, msg, type(exc).__name__, param) from None
     except EngineError as exc:
         raise HTTPError(500, str(exc), "engine_error", type="server_error") from None
     if body.get("stream"):
