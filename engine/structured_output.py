@@ -29,8 +29,9 @@ from engine.sampling_params import StructuredOutputsParams
 
 def grammar_key(so: StructuredOutputsParams) -> tuple[str, str]:
     kind = so.kind
-    if kind == "json":
-        spec = so.json if isinstance(so.json, str) else json.dumps(so.json, sort_keys=True, separators=(",", ":"))
+    if kind in ("json", "structural_tag"):
+        value = getattr(so, kind)
+        spec = value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
     elif kind == "choice":
         spec = json.dumps(so.choice, ensure_ascii=False)
     elif kind == "json_object":
@@ -89,6 +90,8 @@ class StructuredOutputManager:
                                                         strict_mode=False)
             elif kind == "regex":
                 compiled = compiler.compile_regex(spec)
+            elif kind == "structural_tag":
+                compiled = compiler.compile_structural_tag(spec)
             elif kind == "choice":
                 compiled = compiler.compile_grammar(choice_grammar(so.choice))
             else:
