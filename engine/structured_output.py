@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding (JSON schema, regex, choice, EBNF) on xgrammar, batched.
+"""Grammar-constrained decoding (JSON schema, regex, choice, EBNF, structural tag) on xgrammar, batched.
 
 Three pieces, as in vLLM v1:
 - `compile()`: a `StructuredOutputsParams` -> xgrammar `CompiledGrammar`, cached by (kind, spec). The compiler is built
@@ -11,7 +11,8 @@ Three pieces, as in vLLM v1:
   in place before sampling; `accept()` then advances each matcher by its sampled token. A batch without constrained rows
   never reaches this module (the engine checks `num_active` first).
 
-JSON schemas (and json_object, as the schema {"type": "object"}) compile with `any_whitespace=False`: the separators are fixed (", " and ": "), because with free whitespace
+JSON schemas (and json_object, as the schema {"type": "object"}, and the JSON-schema parts of a structural tag) compile
+with `any_whitespace=False`: the separators are fixed (", " and ": "), because with free whitespace
 a small model at temperature 1 can fill its whole budget with newlines inside an otherwise valid object.
 """
 from __future__ import annotations
@@ -44,6 +45,21 @@ def grammar_key(so: StructuredOutputsParams) -> tuple[str, str]:
 def choice_grammar(choices: list[str]) -> str:
     # an EBNF string literal takes JSON's escapes (\" \\ \n \uXXXX), so json.dumps quotes each choice exactly
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _fixed_separators(node):
+    """A structural tag with each JSON-schema content replaced by its grammar with fixed separators, the same policy as
+    the json kind (xgrammar's structural tags otherwise let whitespace run free inside the JSON)."""
+    if isinstance(node, list):
+        return [_fixed_separators(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json" and "json_schema" in node:
+        schema = node["json_schema"]
+        grammar = xgr.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
+                                               any_whitespace=False)
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {k: _fixed_separators(v) for k, v in node.items()}
 
 
 class StructuredOutputManager:
@@ -91,7 +107,7 @@ class StructuredOutputManager:
             elif kind == "regex":
                 compiled = compiler.compile_regex(spec)
             elif kind == "structural_tag":
-                compiled = compiler.compile_structural_tag(spec)
+                compiled = compiler.compile_structural_tag(json.dumps(_fixed_separators(json.loads(spec))))
             elif kind == "choice":
                 compiled = compiler.compile_grammar(choice_grammar(so.choice))
             else:

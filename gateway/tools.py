@@ -67,8 +67,8 @@ class ToolRequest:
         if not self.active:
             return None
         tags = [{"type": "tag", "begin": f'{OPEN}{{"name": "{t["name"]}", "arguments": ',
-                 # bounded whitespace: a small sampled model can otherwise fill its budget with newlines
-                 "content": {"type": "json_schema", "json_schema": t["parameters"], "max_whitespace_cnt": 1},
+                 # the engine compiles JSON-schema parts with fixed separators (", " and ": ")
+                 "content": {"type": "json_schema", "json_schema": t["parameters"]},
                  "end": "}" + CLOSE}
                 for t in self.tools if self.choice != "named" or t["name"] == self.name]
         if self.choice == "auto":

@@ -156,6 +156,33 @@ async def test_auto_is_text_or_a_valid_call(server):
             assert reasons == [ch.finish_reason]
 
 
+def few_shot(n: int) -> list[dict]:
+    """n earlier weather turns (call, result, answer), then a new weather question."""
+    msgs = []
+    for i, city in enumerate(["London", "Rome", "Madrid"][:n]):
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "unit": "celsius"})}}
+        msgs += [{"role": "user", "content": f"What's the weather in {city}?"},
+                 {"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": f"call_{i}", "content": "20 degrees, cloudy"},
+                 {"role": "assistant", "content": f"It is 20 degrees and cloudy in {city}."}]
+    return msgs + [{"role": "user", "content": "What's the weather in Berlin?"}]
+
+
+async def test_auto_opens_a_call_the_grammar_completes(server):
+    """SmolLM2-135M rarely calls on its own; after three earlier tool turns it does (greedy), and the call the
+    grammar completes comes back parsed, non-streamed and streamed alike."""
+    c = client(server)
+    kwargs = dict(model="x", messages=few_shot(3), tools=TOOLS, temperature=0, max_tokens=100)
+    r = await c.chat.completions.create(**kwargs)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+    assert check_calls(ch.message.tool_calls) == [("get_weather", {"city": "Berlin", "unit": "celsius"})]
+    content, calls, reasons = await collect_stream(await c.chat.completions.create(stream=True, **kwargs))
+    assert (content, reasons) == ("", ["tool_calls"])
+    assert [(x["name"], x["arguments"]) for x in calls] == [("get_weather", ch.message.tool_calls[0].function.arguments)]
+
+
 def rendered(server, messages, tool_req) -> tuple[str, list[int]]:
     """The prompt as the app renders it (its own renderer and tools module)."""
     renderer = server.app.state.renderer
