@@ -180,7 +180,8 @@ async def test_auto_opens_a_call_the_grammar_completes(server):
     assert check_calls(ch.message.tool_calls) == [("get_weather", {"city": "Berlin", "unit": "celsius"})]
     content, calls, reasons = await collect_stream(await c.chat.completions.create(stream=True, **kwargs))
     assert (content, reasons) == ("", ["tool_calls"])
-    assert [(x["name"], x["arguments"]) for x in calls] == [("get_weather", ch.message.tool_calls[0].function.arguments)]
+    ref = ch.message.tool_calls[0].function
+    assert [(x["name"], x["arguments"]) for x in calls] == [(ref.name, ref.arguments)]
 
 
 def rendered(server, messages, tool_req) -> tuple[str, list[int]]:
