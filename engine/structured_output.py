@@ -30,9 +30,11 @@ from engine.sampling_params import StructuredOutputsParams
 
 def grammar_key(so: StructuredOutputsParams) -> tuple[str, str]:
     kind = so.kind
-    if kind in ("json", "structural_tag"):
-        value = getattr(so, kind)
-        spec = value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
+    if kind == "structural_tag":   # key order kept: the tag's JSON schemas generate properties in their own order
+        tag = so.structural_tag
+        return kind, tag if isinstance(tag, str) else json.dumps(tag, separators=(",", ":"))
+    if kind == "json":
+        spec = so.json if isinstance(so.json, str) else json.dumps(so.json, sort_keys=True, separators=(",", ":"))
     elif kind == "choice":
         spec = json.dumps(so.choice, ensure_ascii=False)
     elif kind == "json_object":
