@@ -16,6 +16,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None       # the output is exactly one of these strings
     grammar: str | None = None            # EBNF (xgrammar's GBNF dialect)
     json_object: bool | None = None       # any JSON object
+    structural_tag: dict | str | None = None   # xgrammar structural tag (free text + tagged, schema-bound regions)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -27,7 +28,7 @@ class StructuredOutputsParams:
 
         set_ = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
         if len(set_) != 1:
-            bad("", f"exactly one of json, regex, choice, grammar, json_object must be set, got {set_ or 'none'}")
+            bad("", f"exactly one of json, regex, choice, grammar, json_object, structural_tag must be set, got {set_ or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             bad("json", f"must be a JSON schema object or its JSON text, got {type(self.json).__name__}")
         for name in ("regex", "grammar"):
@@ -37,6 +38,9 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             bad("choice", "must be a non-empty list of non-empty strings")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
+            bad("structural_tag", f"must be a structural tag object or its JSON text, got "
+                                  f"{type(self.structural_tag).__name__}")
         if self.json_object not in (None, True, False):
             bad("json_object", f"must be a boolean, got {self.json_object!r}")
 

@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding (JSON schema, regex, choice, EBNF) on xgrammar, batched.
+"""Grammar-constrained decoding (JSON schema, regex, choice, EBNF, structural tag) on xgrammar, batched.
 
 Three pieces, as in vLLM v1:
 - `compile()`: a `StructuredOutputsParams` -> xgrammar `CompiledGrammar`, cached by (kind, spec). The compiler is built
@@ -11,9 +11,9 @@ Three pieces, as in vLLM v1:
   in place before sampling; `accept()` then advances each matcher by its sampled token. A batch without constrained rows
   never reaches this module (the engine checks `num_active` first).
 
-JSON schemas (and json_object, as the schema {"type": "object"}) compile with `any_whitespace=False`: the separators
-are fixed (", " and ": "), because with free whitespace a small model at temperature 1 can fill its whole budget with
-newlines inside an otherwise valid object.
+JSON schemas (and json_object, as the schema {"type": "object"}, and the JSON-schema parts of a structural tag) compile
+with `any_whitespace=False`: the separators are fixed (", " and ": "), because with free whitespace a small model at
+temperature 1 can fill its whole budget with newlines inside an otherwise valid object.
 """
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 
 def grammar_key(so: StructuredOutputsParams) -> tuple[str, str]:
     kind = so.kind
+    if kind == "structural_tag":   # key order kept: the tag's JSON schemas generate properties in their own order
+        tag = so.structural_tag
+        return kind, tag if isinstance(tag, str) else json.dumps(tag, separators=(",", ":"))
     if kind == "json":
         # key order kept: xgrammar generates properties in the schema's order (as OpenAI's strict mode does)
         spec = so.json if isinstance(so.json, str) else json.dumps(so.json, separators=(",", ":"))
@@ -70,6 +73,21 @@ def grammar_key(so: StructuredOutputsParams) -> tuple[str, str]:
 def choice_grammar(choices: list[str]) -> str:
     # an EBNF string literal takes JSON's escapes (\" \\ \n \uXXXX), so json.dumps quotes each choice exactly
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _fixed_separators(node):
+    """A structural tag with each JSON-schema content replaced by its grammar with fixed separators, the same policy as
+    the json kind (xgrammar's structural tags otherwise let whitespace run free inside the JSON)."""
+    if isinstance(node, list):
+        return [_fixed_separators(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json" and "json_schema" in node:
+        schema = node["json_schema"]
+        grammar = xgr.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
+                                               any_whitespace=False)
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {k: _fixed_separators(v) for k, v in node.items()}
 
 
 class StructuredOutputManager:
@@ -116,6 +134,8 @@ class StructuredOutputManager:
                                                         strict_mode=False)
             elif kind == "regex":
                 compiled = compiler.compile_regex(spec)
+            elif kind == "structural_tag":
+                compiled = compiler.compile_structural_tag(json.dumps(_fixed_separators(json.loads(spec))))
             elif kind == "choice":
                 compiled = compiler.compile_grammar(choice_grammar(so.choice))
             else:

@@ -6,6 +6,9 @@ Structured outputs: OpenAI's `response_format` (json_object, json_schema) and vL
 and the older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`) become
 `SamplingParams.structured_outputs`, enforced by the engine's grammar-constrained decoding. A spec the grammar compiler
 rejects is a 400 whose `param` names the field the client sent.
+
+Tools: `tools` / `tool_choice` / `parallel_tool_calls` on chat (gateway/tools.py: the tool prompt, the call grammar,
+the call parser); calls come back as `message.tool_calls` or streamed `delta.tool_calls`, finish_reason "tool_calls".
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from starlette.responses import Response, StreamingResponse
 
 from engine import SamplingParams, StructuredOutputsParams
 from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
+from gateway import tools as tl
 from gateway.realtime import protocol as p
 from gateway.handshake import bearer_ok
 from gateway.metrics import LatencyTimer
@@ -154,7 +158,7 @@ def _structured_param(exc: InvalidRequestError, source: str | None) -> tuple[str
     return msg, param
 
 
-def _sampling(body: dict, engine, prompt_len: int) -> SamplingParams:
+def _sampling(body: dict, engine, prompt_len: int, tool_req: tl.ToolRequest | None = None) -> SamplingParams:
     """OpenAI body fields → SamplingParams; `max_tokens` defaults to what fits the context."""
     try:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -178,13 +182,18 @@ def _sampling(body: dict, engine, prompt_len: int) -> SamplingParams:
         for key in ("top_k", "min_p", "repetition_penalty", "ignore_eos"):  # vLLM's extra fields
             if key in body:
                 kwargs[key] = body[key]
-        kwargs["structured_outputs"] = _structured(body)[0]
+        kwargs["structured_outputs"], source = _structured(body)
+        if tool_req is not None and tool_req.active:
+            if source is not None:
+                raise HTTPError(400, f"{source.split('.')[0]} cannot be combined with tools unless tool_choice is "
+                                     f"'none'.", "invalid_value", source.split(".")[0])
+            kwargs["structured_outputs"] = tool_req.constraint()
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except (InvalidRequestError, PromptTooLongError, TypeError, ValueError) as exc:
         raise HTTPError(400, str(exc), "invalid_value", getattr(exc, "param", None)) from None
 
 
-def _chat_prompt(body: dict, renderer) -> list[int]:
+def _chat_prompt(body: dict, renderer, tool_req: tl.ToolRequest) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "'messages' must be a non-empty array.", "invalid_value", "messages")
@@ -200,8 +209,43 @@ def _chat_prompt(body: dict, renderer) -> list[int]:
             raise HTTPError(400, f"messages[{i}].content must be a string or an array of parts.",
                             "invalid_type", f"messages[{i}].content")
         role = "system" if m["role"] == "developer" else m["role"]
-        flat.append({"role": role, "content": content})
-    return renderer.encode(renderer.template(flat))
+        flat.append({"role": role, "content": content, **_tool_fields(m, i, flat)})
+    native = renderer.takes_tools()
+    messages, template_tools = tl.render(flat, tool_req, native)
+    return renderer.encode(renderer.template(messages, tools=template_tools))
+
+
+def _tool_fields(m: dict, i: int, earlier: list[dict]) -> dict:
+    """An assistant message's `tool_calls` and a tool message's `tool_call_id` (which must answer an earlier call)."""
+    if m["role"] == "assistant" and m.get("tool_calls") is not None:
+        calls = m["tool_calls"]
+        if not isinstance(calls, list):
+            raise HTTPError(400, f"messages[{i}].tool_calls must be an array.", "invalid_type",
+                            f"messages[{i}].tool_calls")
+        for j, c in enumerate(calls):
+            at = f"messages[{i}].tool_calls[{j}]"
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(c, dict) or not isinstance(c.get("id"), str) or not isinstance(fn, dict):
+                raise HTTPError(400, f"{at} must be an object with an id and a function.", "invalid_value", at)
+            if not isinstance(fn.get("name"), str) or not tl.NAME_RE.match(fn["name"]):
+                raise HTTPError(400, f"{at}.function.name must match ^[a-zA-Z0-9_-]{{1,64}}$.", "invalid_value",
+                                f"{at}.function.name")
+            if not isinstance(fn.get("arguments"), str):
+                raise HTTPError(400, f"{at}.function.arguments must be a JSON string.", "invalid_type",
+                                f"{at}.function.arguments")
+        return {"tool_calls": [{"id": c["id"], "type": "function",
+                                "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
+                               for c in calls]} if calls else {}
+    if m["role"] == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise HTTPError(400, f"messages[{i}] (role tool) needs a tool_call_id.", "invalid_value",
+                            f"messages[{i}].tool_call_id")
+        if not any(c["id"] == call_id for e in earlier for c in e.get("tool_calls", ())):
+            raise HTTPError(400, f"messages[{i}].tool_call_id {call_id!r} answers no tool call of an earlier "
+                                 f"assistant message.", "invalid_value", f"messages[{i}].tool_call_id")
+        return {"tool_call_id": call_id}
+    return {}
 
 
 def _completion_prompt(body: dict, renderer) -> list[int]:
@@ -230,11 +274,21 @@ async def _complete(request: Request, chat: bool) -> Response:
     engine = _engine(request)
     state = request.app.state
     body = await _body(request)
-    make_prompt = _chat_prompt if chat else _completion_prompt
-    prompt_ids = await asyncio.to_thread(make_prompt, body, state.renderer)
+    tool_req = None
+    if chat:
+        try:
+            tool_req = tl.parse_request(body)
+            if tool_req.active:   # a schema the grammar compiler rejects is a 400 naming the tool
+                await asyncio.to_thread(tl.check_schemas, tool_req, engine.engine.structured.compile)
+        except InvalidRequestError as exc:
+            raise HTTPError(400, str(exc), "invalid_value", exc.param) from None
+        prompt_ids = await asyncio.to_thread(_chat_prompt, body, state.renderer, tool_req)
+    else:
+        prompt_ids = await asyncio.to_thread(_completion_prompt, body, state.renderer)
     if not prompt_ids:
         raise HTTPError(400, "The prompt is empty.", "invalid_value", "prompt")
-    params = _sampling(body, engine, len(prompt_ids))
+    params = _sampling(body, engine, len(prompt_ids), tool_req)
+    parse_tools = tool_req is not None and tool_req.active
     rid = p.new_id("chatcmpl" if chat else "cmpl")
     created = int(time.time())
     model = body.get("model") or engine.model_name
@@ -243,13 +297,14 @@ async def _complete(request: Request, chat: bool) -> Response:
     try:  # surface prompt errors (raised before the first output) as HTTP 400, not a broken stream
         first = await anext(gen)
     except (PromptTooLongError, InvalidRequestError) as exc:
-        msg, param = _structured_param(exc, _structured(body)[1])
+        msg, param = _structured_param(exc, "tools" if parse_tools else _structured(body)[1])
         raise HTTPError(400, msg, type(exc).__name__, param) from None
     except EngineError as exc:
         raise HTTPError(500, str(exc), "engine_error", type="server_error") from None
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_stream(gen, first, rid, created, model, chat, include_usage, timer),
+        return StreamingResponse(_stream(gen, first, rid, created, model, chat, include_usage, timer,
+                                         tl.ToolCallParser() if parse_tools else None),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     text, out, n_out = [], first, 0
     async with contextlib.aclosing(gen):
@@ -264,8 +319,14 @@ async def _complete(request: Request, chat: bool) -> Response:
     usage = _usage(out, n_out)
     reason = "length" if out.finish_reason == "length" else "stop"
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "logprobs": None,
-                  "finish_reason": reason}
+        message = {"role": "assistant", "content": "".join(text)}
+        if parse_tools:
+            content, calls = tl.parse_output(message["content"])
+            message["content"] = content if calls or content else ""
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": reason}
@@ -280,13 +341,16 @@ def _usage(out, n_out: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
-async def _stream(gen, first, rid: str, created: int, model: str, chat: bool, include_usage: bool, timer):
-    """SSE chunks; if the client goes away the generator is closed, which aborts the engine request."""
+async def _stream(gen, first, rid: str, created: int, model: str, chat: bool, include_usage: bool, timer,
+                  parser: tl.ToolCallParser | None = None):
+    """SSE chunks; if the client goes away the generator is closed, which aborts the engine request. With a tool
+    parser, text goes through it: content as `delta.content`, calls as `delta.tool_calls`."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, reason: str | None, role: bool = False) -> bytes:
+    def chunk(delta: str | dict | None, reason: str | None, role: bool = False) -> bytes:
         if chat:
-            d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            d = {"role": "assistant", "content": ""} if role else \
+                (delta if isinstance(delta, dict) else {"content": delta} if delta else {})
             choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
@@ -304,7 +368,13 @@ async def _stream(gen, first, rid: str, created: int, model: str, chat: bool, in
             reason = ("length" if out.finish_reason == "length" else "stop") if out.finished else None
             if out.text_delta:
                 timer.mark(asyncio.get_running_loop().time())
-            if out.text_delta or reason:
+            if parser is not None:
+                events = parser.feed(out.text_delta or "") + (parser.finish() if out.finished else [])
+                for delta in _tool_deltas(events):
+                    yield chunk(delta, None)
+                if reason:
+                    yield chunk(None, "tool_calls" if parser.calls and reason == "stop" else reason)
+            elif out.text_delta or reason:
                 yield chunk(out.text_delta, reason)
             if out.finished:
                 break
@@ -313,3 +383,15 @@ async def _stream(gen, first, rid: str, created: int, model: str, chat: bool, in
             yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
                                             "choices": [], "usage": _usage(out, n_out)}) + b"\n\n"
         yield b"data: [DONE]\n\n"
+
+
+def _tool_deltas(events: list[tuple]):
+    """Parser events -> chat deltas: content as is; a call's index, id, type and name first, then its arguments."""
+    for ev in events:
+        if ev[0] == "content":
+            yield {"content": ev[1]}
+        elif ev[0] == "call":
+            yield {"tool_calls": [{"index": ev[1], "id": ev[2], "type": "function",
+                                   "function": {"name": ev[3], "arguments": ""}}]}
+        else:
+            yield {"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]}

@@ -206,14 +206,29 @@ class PromptRenderer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
+        self._takes_tools: bool | None = None
 
     def encode(self, text: str) -> list[int]:
         with self._lock:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def template(self, messages: list[dict]) -> str:
+    def template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         with self._lock:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=True)
+
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders `tools` itself (Qwen2.5, Llama 3.1, Hermes do; SmolLM2's ignores them):
+        checked once by rendering a probe tool and looking for its name."""
+        if self._takes_tools is None:
+            probe = [{"type": "function", "function": {"name": "rtserve_probe_tool", "description": "probe",
+                                                       "parameters": {"type": "object", "properties": {}}}}]
+            try:
+                text = self.template([{"role": "user", "content": "hi"}], tools=probe)
+            except Exception:   # a template that raises on tools does not take them
+                text = ""
+            self._takes_tools = "rtserve_probe_tool" in text
+        return self._takes_tools
 
     def render(self, messages: list[dict], previous: Rendered | None = None) -> tuple[Rendered, bool]:
         """Render `messages`; returns the prompt and whether it extends `previous` (append-only) or was re-rendered."""
