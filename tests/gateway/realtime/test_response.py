@@ -57,14 +57,20 @@ async def first_text_delta(raw) -> list[dict]:
     return events
 
 
-async def test_cancel_mid_stream_stops_the_engine_request(server):
+async def start_long_reply(server):
+    """A session whose greedy reply is known to run long (probe_runs_long), streaming its first text delta: (raw, the
+    gauges before the session, the engine's generated-token total before the reply, the reply's events so far)."""
     base = await server.wait_idle()
     raw = await open_raw(server, max_output_tokens="inf")
     await raw.say(LONG_TASK)
     await probe_runs_long(raw)
     tokens = (await server.wait_idle())["generated_tokens_total"]
     await raw.send({"type": "response.create", "response": {"temperature": 0}})
-    events = await first_text_delta(raw)
+    return raw, base, tokens, await first_text_delta(raw)
+
+
+async def test_cancel_mid_stream_stops_the_engine_request(server):
+    raw, base, tokens, events = await start_long_reply(server)
     live = server.stats()
     assert live["requests_running"] == 1, live  # still generating when the cancel goes out
     await raw.send({"type": "response.cancel", "event_id": "evt_cancel_1"})
@@ -92,13 +98,7 @@ async def test_cancel_mid_stream_stops_the_engine_request(server):
 
 
 async def test_disconnect_mid_response_aborts(server):
-    base = await server.wait_idle()
-    raw = await open_raw(server, max_output_tokens="inf")
-    await raw.say(LONG_TASK)
-    await probe_runs_long(raw)
-    tokens = (await server.wait_idle())["generated_tokens_total"]
-    await raw.send({"type": "response.create", "response": {"temperature": 0}})
-    await first_text_delta(raw)
+    raw, base, tokens, _ = await start_long_reply(server)
     live = server.stats()
     assert live["requests_running"] + live["requests_waiting"] == 1, live
     await raw.ws.close()

@@ -122,17 +122,9 @@ async def test_barge_in_cancels_active_response(server):
                     "audio_end_ms": played_ms})
     await talk
     events2 = await raw.until("response.done")
-    truncated = next(e for e in events2 if e["type"] == "conversation.item.truncated")
-    assert truncated["audio_end_ms"] == played_ms
+    check_truncated_turn(events2, item_id, played_ms)
     check_turn(events + events2, on, off, offset_ms=len(story) / 48)
-    assert events2[-1]["response"]["status"] in ("completed", "incomplete")
-    audio, transcript, _ = response_audio(events2, PCM16)
-    check_plausible_speech(audio, transcript, PCM16)
-    full = "".join(e["delta"] for e in before + events if e["type"] == "response.output_audio_transcript.delta")
-    await raw.send({"type": "conversation.item.retrieve", "item_id": item_id})
-    heard = (await raw.until("conversation.item.retrieved"))[-1]["item"]["content"][0]["transcript"]
-    assert len(heard) < len(full) and full.startswith(heard)
-    await raw.ws.close()
+    await check_answered_and_kept_prefix(raw, before + events, events2, item_id, beta=False)
 
 
 async def test_beta_barge_in_and_truncate(server):
@@ -160,17 +152,9 @@ async def test_beta_barge_in_and_truncate(server):
     await raw.send({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
                     "audio_end_ms": played_ms})
     events2 = await raw.until("response.done")
-    truncated = next(e for e in events2 if e["type"] == "conversation.item.truncated")
-    assert truncated["item_id"] == item_id and truncated["audio_end_ms"] == played_ms
+    check_truncated_turn(events2, item_id, played_ms)
     check_turn(events + events2, on, off)
-    assert events2[-1]["response"]["status"] in ("completed", "incomplete")
-    audio, transcript, _ = response_audio(events2, PCM16, beta=True)
-    check_plausible_speech(audio, transcript, PCM16)
-    full = "".join(e["delta"] for e in before + events if e["type"] == "response.audio_transcript.delta")
-    await raw.send({"type": "conversation.item.retrieve", "item_id": item_id})
-    heard = (await raw.until("conversation.item.retrieved"))[-1]["item"]["content"][0]["transcript"]
-    assert len(heard) < len(full) and full.startswith(heard)
-    await raw.ws.close()
+    await check_answered_and_kept_prefix(raw, before + events, events2, item_id, beta=True)
 
 
 async def test_eight_concurrent_voice_sessions_batch_the_encoder(server):
@@ -225,3 +209,23 @@ async def test_disconnects_leave_nothing_behind(server):
     assert stats["kv_pages_used"] == 0 and stats["requests_running"] == 0
     assert stage.stats()["transcriptions_inflight"] == 0 and stage.tts.pending == 0
     assert not server.app.state.sessions and not stage.awaiting_first_piece
+
+
+def check_truncated_turn(events: list[dict], item_id: str, played_ms: int) -> None:
+    truncated = next(e for e in events if e["type"] == "conversation.item.truncated")
+    assert truncated["item_id"] == item_id and truncated["audio_end_ms"] == played_ms
+
+
+async def check_answered_and_kept_prefix(raw, cut_events: list[dict], events2: list[dict], item_id: str,
+                                         beta: bool) -> None:
+    """The new turn was answered with plausible speech, and the cut reply item keeps a strict prefix of what was
+    streamed of it; closes the connection."""
+    assert events2[-1]["response"]["status"] in ("completed", "incomplete")
+    audio, transcript, _ = response_audio(events2, PCM16, beta=beta)
+    check_plausible_speech(audio, transcript, PCM16)
+    delta = "response.audio_transcript.delta" if beta else "response.output_audio_transcript.delta"
+    full = "".join(e["delta"] for e in cut_events if e["type"] == delta)
+    await raw.send({"type": "conversation.item.retrieve", "item_id": item_id})
+    heard = (await raw.until("conversation.item.retrieved"))[-1]["item"]["content"][0]["transcript"]
+    assert len(heard) < len(full) and full.startswith(heard)
+    await raw.ws.close()
