@@ -16,7 +16,7 @@ from typing import AsyncIterator
 import kernels
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class AsyncEngine:
@@ -47,7 +47,7 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             # compile (or hit the cache) on a worker thread: a bad spec raises here, and a slow schema never stalls
             # the engine thread, whose add_request then finds the grammar cached
-            await asyncio.to_thread(self.engine.structured.compile, params.structured_outputs)
+            await self.compile_structured(params.structured_outputs)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
@@ -66,6 +66,11 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._submit(("abort", request_id))
+
+    async def compile_structured(self, spec: StructuredOutputsParams) -> None:
+        """Compile a grammar (or hit the cache) on a worker thread; a spec the compiler rejects raises
+        InvalidRequestError. The compiler is thread-safe, and the engine thread later finds the grammar cached."""
+        await asyncio.to_thread(self.engine.structured.compile, spec)
 
     async def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))

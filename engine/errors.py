@@ -22,4 +22,5 @@ class ModelLoadError(EngineError):
 
 
 class EngineDeadError(EngineError):
-    """The engine shut down, or a step raised and failed the requests in it (the engine serves on after a failed step)."""
+    """The engine shut down, or a step raised and failed the requests in it (the engine serves on after a failed
+    step)."""

@@ -26,9 +26,10 @@ class StructuredOutputsParams:
             raise InvalidRequestError(f"invalid {prefix}.{name}: {why}" if name else f"invalid {prefix}: {why}",
                                       param=f"{prefix}.{name}" if name else prefix)
 
-        set_ = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        set_ = self._set_fields()
         if len(set_) != 1:
-            bad("", f"exactly one of json, regex, choice, grammar, json_object, structural_tag must be set, got {set_ or 'none'}")
+            bad("", f"exactly one of json, regex, choice, grammar, json_object, structural_tag must be set, "
+                    f"got {set_ or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             bad("json", f"must be a JSON schema object or its JSON text, got {type(self.json).__name__}")
         for name in ("regex", "grammar"):
@@ -44,9 +45,12 @@ class StructuredOutputsParams:
         if self.json_object not in (None, True, False):
             bad("json_object", f"must be a boolean, got {self.json_object!r}")
 
+    def _set_fields(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+
     @property
     def kind(self) -> str:
-        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+        return self._set_fields()[0]
 
     @classmethod
     def from_dict(cls, d: Any, prefix: str = "structured_outputs") -> StructuredOutputsParams:

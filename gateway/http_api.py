@@ -158,7 +158,8 @@ def _structured_param(exc: InvalidRequestError, source: str | None) -> tuple[str
     return msg, param
 
 
-def _sampling(body: dict, engine, prompt_len: int, tool_req: tl.ToolRequest | None = None) -> SamplingParams:
+def _sampling(body: dict, engine, prompt_len: int, structured: tuple[StructuredOutputsParams | None, str | None],
+              tool_req: tl.ToolRequest | None = None) -> SamplingParams:
     """OpenAI body fields → SamplingParams; `max_tokens` defaults to what fits the context."""
     try:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -182,7 +183,7 @@ def _sampling(body: dict, engine, prompt_len: int, tool_req: tl.ToolRequest | No
         for key in ("top_k", "min_p", "repetition_penalty", "ignore_eos"):  # vLLM's extra fields
             if key in body:
                 kwargs[key] = body[key]
-        kwargs["structured_outputs"], source = _structured(body)
+        kwargs["structured_outputs"], source = structured
         if tool_req is not None and tool_req.active:
             if source is not None:
                 raise HTTPError(400, f"{source.split('.')[0]} cannot be combined with tools unless tool_choice is "
@@ -279,7 +280,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         try:
             tool_req = tl.parse_request(body)
             if tool_req.active:   # a schema the grammar compiler rejects is a 400 naming the tool
-                await asyncio.to_thread(tl.check_schemas, tool_req, engine.engine.structured.compile)
+                await tl.check_schemas(tool_req, engine.compile_structured)
         except InvalidRequestError as exc:
             raise HTTPError(400, str(exc), "invalid_value", exc.param) from None
         prompt_ids = await asyncio.to_thread(_chat_prompt, body, state.renderer, tool_req)
@@ -287,7 +288,8 @@ async def _complete(request: Request, chat: bool) -> Response:
         prompt_ids = await asyncio.to_thread(_completion_prompt, body, state.renderer)
     if not prompt_ids:
         raise HTTPError(400, "The prompt is empty.", "invalid_value", "prompt")
-    params = _sampling(body, engine, len(prompt_ids), tool_req)
+    structured = _structured(body)
+    params = _sampling(body, engine, len(prompt_ids), structured, tool_req)
     parse_tools = tool_req is not None and tool_req.active
     rid = p.new_id("chatcmpl" if chat else "cmpl")
     created = int(time.time())
@@ -297,7 +299,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     try:  # surface prompt errors (raised before the first output) as HTTP 400, not a broken stream
         first = await anext(gen)
     except (PromptTooLongError, InvalidRequestError) as exc:
-        msg, param = _structured_param(exc, "tools" if parse_tools else _structured(body)[1])
+        msg, param = _structured_param(exc, "tools" if parse_tools else structured[1])
         raise HTTPError(400, msg, type(exc).__name__, param) from None
     except EngineError as exc:
         raise HTTPError(500, str(exc), "engine_error", type="server_error") from None

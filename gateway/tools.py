@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,12 +134,13 @@ def parse_request(body: dict) -> ToolRequest:
     return ToolRequest(tools, choice, name, True if parallel is None else parallel)
 
 
-def check_schemas(req: ToolRequest, compile_fn: Callable[[StructuredOutputsParams], Any]) -> None:
-    """Compile each tool's `parameters` with the engine's grammar compiler (cached by schema), so a schema it cannot
-    compile is a 400 naming that tool, not an error about the combined grammar."""
+async def check_schemas(req: ToolRequest,
+                        compile_structured: Callable[[StructuredOutputsParams], Awaitable[None]]) -> None:
+    """Compile each tool's `parameters` with the engine's grammar compiler (`AsyncEngine.compile_structured`, cached
+    by schema), so a schema it cannot compile is a 400 naming that tool, not an error about the combined grammar."""
     for i, t in enumerate(req.tools):
         try:
-            compile_fn(StructuredOutputsParams(json=t["parameters"]))
+            await compile_structured(StructuredOutputsParams(json=t["parameters"]))
         except InvalidRequestError as exc:
             why = str(exc).split(": ", 1)[-1]
             raise _bad(f"tools[{i}].function.parameters", why) from None
