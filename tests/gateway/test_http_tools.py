@@ -381,3 +381,4 @@ async def test_auto_tool_choice_disabled_is_vllms_400(llama_server):
     check_calls(r.choices[0].message.tool_calls, ("get_weather",))
     r = await c.chat.completions.create(model="x", messages=ASK, max_tokens=4, temperature=0)   # no tools: as before
     assert r.choices[0].message.content is not None
+
