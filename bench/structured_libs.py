@@ -121,7 +121,7 @@ def load_tokenizer():
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, back to bytes (SmolLM2's tokens are spelled in it)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):

@@ -51,8 +51,8 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat-template", default=None,
                     help="a Jinja chat template, as a file path or the text itself, instead of the model's own")
     ap.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
-                    help='tool_choice "auto" (the default when a request has tools): text or a call, the model decides. '
-                         'On by default, since the call grammar makes any call it opens valid; '
+                    help='tool_choice "auto" (the default when a request has tools): text or a call, the model '
+                         'decides. On by default, since the call grammar makes any call it opens valid; '
                          '--no-enable-auto-tool-choice answers "auto" with a 400 as vLLM does without the flag')
     ap.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                     help="the model's tool-call format, for the call grammar and the parser: hermes (<tool_call> JSON, "

@@ -25,6 +25,9 @@ arguments of each tool follow its `parameters` schema):
 - `none`: the tool definitions are not rendered and nothing is constrained or parsed: a plain text answer (earlier tool
   turns in the history are still rendered).
 `parallel_tool_calls: false` stops the output after the first call.
+
+Models whose template renders another call format get its grammar and parser instead (`--tool-call-parser`, detected
+from the template; Llama 3.1's `llama3_json`): see "Tool-call formats that follow the model" below.
 """
 from __future__ import annotations
 
@@ -319,11 +322,11 @@ def parse_output(text: str, parser: ToolCallParser | None = None) -> tuple[str |
 
 # --- Tool-call formats that follow the model (`--tool-call-parser`) ---------------------------------------------------
 #
-# hermes: the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` format above (Qwen2.5, Hermes, and rtserve's own
-#   tool prompt for templates that do not take tools, SmolLM2's among them).
-# llama3_json: Llama 3.1's JSON call, `{"name": "get_weather", "parameters": {"city": "Paris"}}`, as its template renders
-#   an assistant call and tells the model to answer; optionally after `<|python_tag|>`. Its template renders one call per
-#   assistant turn (it raises on more), so the grammar allows one call whatever `parallel_tool_calls` says.
+# hermes: the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` format above (Qwen2.5, Hermes, and rtserve's
+#   own tool prompt for templates that do not take tools, SmolLM2's among them).
+# llama3_json: Llama 3.1's JSON call, `{"name": "get_weather", "parameters": {"city": "Paris"}}`, as its template
+#   renders an assistant call and tells the model to answer; optionally after `<|python_tag|>`. Its template renders
+#   one call per assistant turn (it raises on more), so the grammar allows one call whatever `parallel_tool_calls` says.
 # Detected from the chat template when `--tool-call-parser` is not given, as vLLM users would pick it.
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")

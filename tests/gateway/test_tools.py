@@ -300,7 +300,8 @@ def test_llama3_json_grammars(tokenizer):
     cases = {  # request fields -> (accepted, rejected); Llama 3.1's template renders one call per turn
         "auto": ({}, ["Just text.", good, "Sure. " + good, other],
                  [good.replace("celsius", "kelvin"), good + "; " + other, good.replace('"parameters"', '"arguments"')]),
-        "required": ({"tool_choice": "required"}, [good, other], ["Just text.", hermes, "x" + good, good + "; " + other]),
+        "required": ({"tool_choice": "required"}, [good, other],
+                     ["Just text.", hermes, "x" + good, good + "; " + other]),
         "named": ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, [other], [good]),
     }
     for name, (fields, ok, bad) in cases.items():
