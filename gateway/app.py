@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from audio.stage import AudioStage
-from gateway import handshake, http_api
+from gateway import handshake, http_api, tools
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.realtime.conversation import PromptRenderer
 from gateway.realtime.session import RealtimeSession, SessionLimits
@@ -38,6 +39,9 @@ class Settings:
     limits: SessionLimits = field(default_factory=SessionLimits)
     public_url: str | None = None  # printed in the ready message
     audio: bool = True  # the audio stage (VAD, Whisper, TTS); False answers audio events with audio_unavailable
+    chat_template: str | None = None  # a Jinja chat template (text or file path) instead of the model's own
+    tool_call_parser: str | None = None  # "hermes" | "llama3_json"; None: detected from the chat template
+    enable_auto_tool_choice: bool = True  # False: tool_choice "auto" is a 400, as in vLLM without the flag
 
 
 def create_app(settings: Settings | None = None, engine=None) -> Starlette:
@@ -92,8 +96,25 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
 
 
 def _attach(app: Starlette, engine) -> None:
+    settings: Settings = app.state.settings
+    tokenizer = engine.tokenizer
+    if settings.chat_template is not None:   # a copy: the engine's tokenizer keeps the model's own template
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.chat_template = _read_template(settings.chat_template)
     app.state.engine = engine
-    app.state.renderer = PromptRenderer(engine.tokenizer)
+    app.state.renderer = PromptRenderer(tokenizer)
+    app.state.tool_call_parser = tools.resolve_tool_call_parser(settings.tool_call_parser, tokenizer.chat_template,
+                                                               app.state.renderer.takes_tools())
+
+
+def _read_template(template: str) -> str:
+    """`--chat-template`: a file path, or the template text itself (as vLLM reads it)."""
+    path = Path(template)
+    if "{" not in template and path.is_file():
+        return path.read_text()
+    if "{" not in template:
+        raise ValueError(f"--chat-template {template!r}: no such file, and not a Jinja template")
+    return template
 
 
 async def _load_engine(settings: Settings):

@@ -48,6 +48,16 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ws-compression", action="store_true",
                     help="offer permessage-deflate on WebSockets: base64 audio shrinks, at a cost in event-loop "
                          "CPU for every second of audio each way (off by default: a voice server here is CPU-bound)")
+    ap.add_argument("--chat-template", default=None,
+                    help="a Jinja chat template, as a file path or the text itself, instead of the model's own")
+    ap.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                    help='tool_choice "auto" (the default when a request has tools): text or a call, the model '
+                         'decides. On by default, since the call grammar makes any call it opens valid; '
+                         '--no-enable-auto-tool-choice answers "auto" with a 400 as vLLM does without the flag')
+    ap.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                    help="the model's tool-call format, for the call grammar and the parser: hermes (<tool_call> JSON, "
+                         'Qwen2.5 / Hermes, and rtserve\'s own tool prompt) or llama3_json (Llama 3.1\'s {"name", '
+                         '"parameters"} JSON). Default: detected from the chat template')
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return ap
 
@@ -85,7 +95,8 @@ def serve(argv: list[str]) -> int:
         else None
     settings = Settings(model=ns.model, engine_args=engine_args(ns), api_key=ns.api_key or None,
                         allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{ns.port}",
-                        audio=not ns.no_audio)
+                        audio=not ns.no_audio, chat_template=ns.chat_template,
+                        tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice)
     uvicorn.run(create_app(settings), host=ns.host, port=ns.port, ws_max_size=WS_MAX_SIZE,
                 ws_per_message_deflate=ns.ws_compression, log_level=ns.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -17,6 +17,7 @@ import contextlib
 import time
 from typing import Any
 
+import jinja2
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -159,7 +160,7 @@ def _structured_param(exc: InvalidRequestError, source: str | None) -> tuple[str
 
 
 def _sampling(body: dict, engine, prompt_len: int, structured: tuple[StructuredOutputsParams | None, str | None],
-              tool_req: tl.ToolRequest | None = None) -> SamplingParams:
+              tool_req: tl.ToolRequest | None = None, tool_call_parser: str = "hermes") -> SamplingParams:
     """OpenAI body fields → SamplingParams; `max_tokens` defaults to what fits the context."""
     try:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -188,7 +189,7 @@ def _sampling(body: dict, engine, prompt_len: int, structured: tuple[StructuredO
             if source is not None:
                 raise HTTPError(400, f"{source.split('.')[0]} cannot be combined with tools unless tool_choice is "
                                      f"'none'.", "invalid_value", source.split(".")[0])
-            kwargs["structured_outputs"] = tool_req.constraint()
+            kwargs["structured_outputs"] = tl.tool_constraint(tool_req, tool_call_parser)
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except (InvalidRequestError, PromptTooLongError, TypeError, ValueError) as exc:
         raise HTTPError(400, str(exc), "invalid_value", getattr(exc, "param", None)) from None
@@ -213,7 +214,12 @@ def _chat_prompt(body: dict, renderer, tool_req: tl.ToolRequest) -> list[int]:
         flat.append({"role": role, "content": content, **_tool_fields(m, i, flat)})
     native = renderer.takes_tools()
     messages, template_tools = tl.render(flat, tool_req, native)
-    return renderer.encode(renderer.template(messages, tools=template_tools))
+    try:
+        text = renderer.template(messages, tools=template_tools)
+    except jinja2.TemplateError as exc:   # the template's own refusal, e.g. Llama 3.1's one call per assistant turn
+        raise HTTPError(400, f"The chat template cannot render these messages: {exc}", "invalid_value",
+                        "messages") from None
+    return renderer.encode(text)
 
 
 def _tool_fields(m: dict, i: int, earlier: list[dict]) -> dict:
@@ -279,6 +285,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     if chat:
         try:
             tool_req = tl.parse_request(body)
+            tl.check_auto_allowed(tool_req, state.settings.enable_auto_tool_choice)
             if tool_req.active:   # a schema the grammar compiler rejects is a 400 naming the tool
                 await tl.check_schemas(tool_req, engine.compile_structured)
         except InvalidRequestError as exc:
@@ -289,7 +296,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     if not prompt_ids:
         raise HTTPError(400, "The prompt is empty.", "invalid_value", "prompt")
     structured = _structured(body)
-    params = _sampling(body, engine, len(prompt_ids), structured, tool_req)
+    params = _sampling(body, engine, len(prompt_ids), structured, tool_req, state.tool_call_parser)
     parse_tools = tool_req is not None and tool_req.active
     rid = p.new_id("chatcmpl" if chat else "cmpl")
     created = int(time.time())
@@ -306,7 +313,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(_stream(gen, first, rid, created, model, chat, include_usage, timer,
-                                         tl.ToolCallParser() if parse_tools else None),
+                                         tl.new_tool_parser(state.tool_call_parser) if parse_tools else None),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     text, out, n_out = [], first, 0
     async with contextlib.aclosing(gen):
@@ -323,7 +330,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     if chat:
         message = {"role": "assistant", "content": "".join(text)}
         if parse_tools:
-            content, calls = tl.parse_output(message["content"])
+            content, calls = tl.parse_output(message["content"], tl.new_tool_parser(state.tool_call_parser))
             message["content"] = content if calls or content else ""
             if calls:
                 message["tool_calls"] = calls

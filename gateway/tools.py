@@ -25,6 +25,9 @@ arguments of each tool follow its `parameters` schema):
 - `none`: the tool definitions are not rendered and nothing is constrained or parsed: a plain text answer (earlier tool
   turns in the history are still rendered).
 `parallel_tool_calls: false` stops the output after the first call.
+
+Models whose template renders another call format get its grammar and parser instead (`--tool-call-parser`, detected
+from the template; Llama 3.1's `llama3_json`): see "Tool-call formats that follow the model" below.
 """
 from __future__ import annotations
 
@@ -306,11 +309,226 @@ class ToolCallParser:
             self.content_started = True
 
 
-def parse_output(text: str) -> tuple[str | None, list[dict]]:
-    """The whole output -> (content or None, OpenAI tool_calls)."""
-    parser = ToolCallParser()
+def parse_output(text: str, parser: ToolCallParser | None = None) -> tuple[str | None, list[dict]]:
+    """The whole output -> (content or None, OpenAI tool_calls); `parser` is a fresh one of the call format (hermes
+    when not given)."""
+    parser = parser or ToolCallParser()
     events = parser.feed(text) + parser.finish()
     content = "".join(e[1] for e in events if e[0] == "content")
     calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
              for c in parser.calls]
     return (content or None), calls
+
+
+# --- Tool-call formats that follow the model (`--tool-call-parser`) ---------------------------------------------------
+#
+# hermes: the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` format above (Qwen2.5, Hermes, and rtserve's
+#   own tool prompt for templates that do not take tools, SmolLM2's among them).
+# llama3_json: Llama 3.1's JSON call, `{"name": "get_weather", "parameters": {"city": "Paris"}}`, as its template
+#   renders an assistant call and tells the model to answer; optionally after `<|python_tag|>`. Its template renders
+#   one call per assistant turn (it raises on more), so the grammar allows one call whatever `parallel_tool_calls` says.
+# Detected from the chat template when `--tool-call-parser` is not given, as vLLM users would pick it.
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+PYTHON_TAG = "<|python_tag|>"
+LLAMA3_TRIGGER = '{"name": '
+
+
+def detect_tool_call_parser(chat_template: str | None) -> str:
+    """The call format a chat template renders: Llama 3.1's header tokens with a `"parameters"` object -> llama3_json;
+    anything else (`<tool_call>` templates, templates that do not take tools) -> hermes."""
+    text = chat_template or ""
+    if "<|start_header_id|>" in text and '"parameters"' in text:
+        return "llama3_json"
+    return "hermes"
+
+
+def resolve_tool_call_parser(requested: str | None, chat_template: str | None, takes_tools: bool) -> str:
+    """`--tool-call-parser` as given, or detected from the template. A template that does not take tools gets rtserve's
+    own tool prompt, whose format is hermes, so asking for another format there is a configuration error."""
+    if requested is not None and requested not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {requested!r}")
+    if not takes_tools:
+        if requested not in (None, "hermes"):
+            raise ValueError(f"--tool-call-parser {requested}: the chat template does not render tools, so rtserve "
+                             "renders them with its own tool prompt, whose call format is hermes")
+        return "hermes"
+    return requested or detect_tool_call_parser(chat_template)
+
+
+AUTO_TOOL_CHOICE_DISABLED = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                             "(this server runs with --no-enable-auto-tool-choice; send tool_choice 'required', "
+                             "'none' or a named function)")
+
+
+def check_auto_allowed(req: ToolRequest, enabled: bool) -> None:
+    """vLLM's rule: without --enable-auto-tool-choice, `tool_choice: "auto"` (the default when tools are sent) is a
+    400; required, named and none still work, because the grammar fixes their output."""
+    if req.choice == "auto" and req.tools and not enabled:
+        raise _bad("tool_choice", AUTO_TOOL_CHOICE_DISABLED)
+
+
+def llama3_json_constraint(req: ToolRequest) -> StructuredOutputsParams | None:
+    """The grammar of Llama 3.1's call (what xgrammar's own "llama" structural tag builds): one
+    `{"name": "<tool>", "parameters": <its schema>}`. required / named: the whole output is that call; auto: text, or a
+    call once the model writes `{"name": `."""
+    if not req.active:
+        return None
+    tags = [{"type": "tag", "begin": f'{LLAMA3_TRIGGER}"{t["name"]}", "parameters": ',
+             "content": {"type": "json_schema", "json_schema": t["parameters"]}, "end": "}"}
+            for t in req.tools if req.choice != "named" or t["name"] == req.name]
+    if req.choice == "auto":
+        fmt = {"type": "triggered_tags", "triggers": [LLAMA3_TRIGGER], "tags": tags, "at_least_one": False,
+               "stop_after_first": True}
+    else:
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "; ", "at_least_one": True,
+               "stop_after_first": True}
+    return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": fmt})
+
+
+def tool_constraint(req: ToolRequest, parser: str) -> StructuredOutputsParams | None:
+    """The grammar for `req` in the `parser` call format."""
+    return llama3_json_constraint(req) if parser == "llama3_json" else req.constraint()
+
+
+def new_tool_parser(parser: str) -> ToolCallParser:
+    """A streaming parser of the `parser` call format (the same feed / finish / calls interface for both)."""
+    return Llama3JsonToolParser() if parser == "llama3_json" else ToolCallParser()
+
+
+_LLAMA3_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*"(?:parameters|arguments)"\s*:\s*'
+                            r'(?=\S)')
+
+
+def _json_value_end(text: str, start: int, state: list) -> int:
+    """Scan a JSON value from `start`; returns the index just past it, or -1 if `text` ends first. `state` =
+    [depth, in_string, escaped] carries the scan across calls (the caller resumes at the returned scan position)."""
+    depth, in_str, esc = state
+    i = start
+    while i < len(text):
+        ch = text[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+                if depth == 0:
+                    state[:] = [0, False, False]
+                    return i + 1
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif depth == 0 and ch in ",}]":   # a bare number / literal ends at the call object's next delimiter
+            state[:] = [0, False, False]
+            return i
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                state[:] = [0, False, False]
+                return i + 1
+        i += 1
+    state[:] = [depth, in_str, esc]
+    return -1
+
+
+_LLAMA3_KEYS = ('"name"', '"parameters"', '"arguments"')
+
+
+class Llama3JsonToolParser(ToolCallParser):
+    """Llama 3.1's calls, `{"name": ..., "parameters": {...}}` (or `"arguments"`), optionally after `<|python_tag|>`,
+    several separated by `;` (as vLLM's llama3_json parser reads them), streamed: text that may start a call is held
+    back; once the name is known the arguments stream as they are scanned, up to the end of their JSON value (the call
+    object's own closing brace is not part of them). Text before a call is content, as the auto grammar allows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scan = [0, False, False]   # _json_value_end's state over the open call's arguments
+        self.pos = 0                    # scan position in buf
+        self.closing = False            # arguments done; the call object's `}` is next
+        self.after_call = False         # a call just closed: a `;` before the next one is dropped
+
+    def feed(self, delta: str) -> list[tuple]:
+        self.buf += delta
+        events: list[tuple] = []
+        while True:
+            if self.closing:
+                stripped = self.buf.lstrip()
+                if not stripped:
+                    return events
+                self.buf = stripped[1:] if stripped[0] == "}" else stripped
+                self.closing, self.in_call, self.after_call = False, False, True
+                continue
+            if not self.in_call:
+                self.buf = self.buf.replace(PYTHON_TAG, "")
+                if self.after_call:   # `;` between calls is no content
+                    self.buf = self.buf.lstrip()
+                    if not self.buf:
+                        return events
+                    self.buf, self.after_call = self.buf.removeprefix(";"), False
+                i, definite = self._call_start()
+                if i is None:   # no call can start here: all but a possible partial `<|python_tag|>` is content
+                    keep = _partial_suffix(self.buf, PYTHON_TAG)
+                    self._text(self.buf[:len(self.buf) - keep], events)
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    return events
+                self._text(self.buf[:i], events)
+                self.buf = self.buf[i:]
+                if not definite:   # `{` and the start of `"name"`: wait for more
+                    return events
+                self.in_call, self.header = True, False
+                continue
+            if not self.header:
+                m = _LLAMA3_HEADER.match(self.buf)
+                if m:
+                    self._start(m.group(1), events)
+                    self.buf, self.header, self.sent, self.pos = self.buf[m.end():], True, 0, 0
+                    self.scan = [0, False, False]
+                    continue
+                end = _json_value_end(self.buf, 0, [0, False, False])
+                if end < 0:
+                    return events
+                raw, self.buf, self.in_call = self.buf[:end], self.buf[end:], False
+                obj = _loads(raw)
+                if isinstance(obj, dict) and isinstance(obj.get("name"), str) and NAME_RE.match(obj["name"]):
+                    args = obj.get("parameters", obj.get("arguments", {}))
+                    self._start(obj["name"], events)
+                    self._args(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False), events)
+                    self.after_call = True
+                else:   # `{"name": ...}` that is not a call: content as written
+                    self._text(raw, events)
+                continue
+            end = _json_value_end(self.buf, self.pos, self.scan)
+            if end < 0:
+                self._args(self.buf[self.sent:], events)
+                self.pos = len(self.buf)
+                return events
+            self._args(self.buf[self.sent:end], events)
+            self.buf, self.closing = self.buf[end:], True
+
+    def _call_start(self) -> tuple[int | None, bool]:
+        """Where a call object starts (`{` then one of its keys, whitespace allowed) and whether that is certain, or
+        may start (the buffer ends inside that opening); (None, False) if neither. An object that turns out not to be
+        a call goes back to the content as written."""
+        i = self.buf.find("{")
+        while i >= 0:
+            rest = self.buf[i + 1:].lstrip()
+            if any(rest.startswith(key) for key in _LLAMA3_KEYS):
+                return i, True
+            if any(key.startswith(rest) for key in _LLAMA3_KEYS):
+                return i, False
+            i = self.buf.find("{", i + 1)
+        return None, False
+
+    def finish(self) -> list[tuple]:
+        events: list[tuple] = []
+        if self.in_call and self.header and not self.closing:
+            self._args(self.buf[self.sent:], events)
+        elif self.in_call and not self.header:
+            self._text(self.buf, events)
+        elif not self.in_call:
+            self._text(self.buf.replace(PYTHON_TAG, ""), events)
+        self.buf, self.in_call, self.closing = "", False, False
+        return events

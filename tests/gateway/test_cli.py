@@ -18,3 +18,18 @@ def test_cli_flags_map_to_engine_args(capsys):
     assert (ns.port, ns.api_key, ns.host) == (9000, "k", "127.0.0.1")
     assert cli.main(["bench", "no_such_bench"]) == 2
     assert cli.main([]) == 2 and "rtserve serve" in capsys.readouterr().out
+
+
+def test_tool_flags():
+    import pytest
+
+    from gateway import cli
+
+    ns = cli.serve_parser().parse_args([])
+    assert (ns.enable_auto_tool_choice, ns.tool_call_parser, ns.chat_template) == (True, None, None)
+    ns = cli.serve_parser().parse_args(["--no-enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+                                        "--chat-template", "tpl.jinja"])
+    assert (ns.enable_auto_tool_choice, ns.tool_call_parser, ns.chat_template) == (False, "llama3_json", "tpl.jinja")
+    assert cli.serve_parser().parse_args(["--enable-auto-tool-choice"]).enable_auto_tool_choice is True
+    with pytest.raises(SystemExit):
+        cli.serve_parser().parse_args(["--tool-call-parser", "mistral"])

@@ -275,3 +275,110 @@ async def test_bad_tool_input_is_400_with_param_and_leaves_nothing_running(serve
     r = await c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=200,
                                         temperature=0, parallel_tool_calls=False)
     check_calls(r.choices[0].message.tool_calls, ("get_weather",))
+
+
+# --- The model's own call format: Llama 3.1's template and llama3_json, and --no-enable-auto-tool-choice -------------
+
+@pytest.fixture(scope="module")
+def llama_server(server):
+    """The product app on the shared engine (SmolLM2's weights) with Llama 3.1's chat template (`--chat-template`), so
+    the tool-call parser is detected as llama3_json; and under /noauto the default app with
+    `--no-enable-auto-tool-choice`. Its own uvicorn thread; the engine stays the session's."""
+    import threading
+    import time
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    from gateway.app import Settings, create_app
+    from tests.conftest import Server, _free_port
+    from tests.gateway.test_tools import LLAMA31_TEMPLATE
+
+    app = create_app(Settings(chat_template=LLAMA31_TEMPLATE, audio=False), engine=server.engine)
+    noauto = create_app(Settings(enable_auto_tool_choice=False, audio=False), engine=server.engine)
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(Starlette(routes=[Mount("/noauto", app=noauto), Mount("/", app=app)]),
+                                       host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=uv.run, name="test-uvicorn-llama", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the Llama-template server did not start"
+        time.sleep(0.05)
+    yield Server("127.0.0.1", port, server.engine, app)
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+async def test_llama31_template_forced_calls_streamed_and_not(llama_server):
+    assert llama_server.app.state.tool_call_parser == "llama3_json"
+    c = client(llama_server)
+    _, ids = rendered(llama_server, ASK, tl.parse_request({"tools": TOOLS, "tool_choice": "required"}))
+    for choice, names in (("required", ("get_weather", "get_time")), (NAMED, ("get_weather",))):
+        for seed in range(3):
+            kwargs = dict(model="x", messages=ASK, tools=TOOLS, tool_choice=choice, seed=seed, max_tokens=200)
+            r = await c.chat.completions.create(**kwargs)
+            ch = r.choices[0]
+            assert r.usage.prompt_tokens == len(ids)   # rendered by Llama 3.1's template, tools in the user turn
+            assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+            assert len(ch.message.tool_calls) == 1   # the template's one call per turn
+            (name, _), = check_calls(ch.message.tool_calls, names)
+            content, calls, reasons = await collect_stream(await c.chat.completions.create(stream=True, **kwargs))
+            assert (content, reasons) == ("", ["tool_calls"])
+            ref = ch.message.tool_calls[0].function   # same seed, same tokens: the same call
+            assert [(x["name"], x["arguments"]) for x in calls] == [(ref.name, ref.arguments)]
+    await llama_server.wait_idle(pinned_ok=True)
+    assert llama_server.stats()["structured_requests"] == 0
+
+
+async def test_llama31_template_auto_and_round_trip(llama_server):
+    c = client(llama_server)
+    for seed in range(3):   # auto: text, or a call the grammar completes; no call JSON in the content either way
+        r = await c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, seed=seed, max_tokens=120)
+        ch = r.choices[0]
+        assert '"parameters"' not in (ch.message.content or ""), ch.message.content
+        if ch.finish_reason == "tool_calls":
+            check_calls(ch.message.tool_calls)
+        else:
+            assert ch.finish_reason in ("stop", "length") and ch.message.tool_calls is None, ch
+    call = {"id": "call_abc123", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "call_abc123", "content": "18 degrees and sunny"}]
+    r = await c.chat.completions.create(model="x", messages=history, tools=TOOLS, tool_choice="none",
+                                        temperature=0, max_tokens=60)
+    ch = r.choices[0]
+    assert ch.finish_reason in ("stop", "length") and ch.message.tool_calls is None and ch.message.content, ch
+    flat = ASK + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                  {"role": "tool", "content": "18 degrees and sunny", "tool_call_id": "call_abc123"}]
+    text, ids = rendered(llama_server, flat, tl.parse_request({"tools": TOOLS, "tool_choice": "none"}))
+    assert r.usage.prompt_tokens == len(ids)
+    # the call as Llama 3.1 writes it, the result as its ipython turn
+    assert ('<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": {"city": '
+            '"Paris", "unit": "celsius"}}<|eot_id|>') in text, text
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n"18 degrees and sunny"<|eot_id|>' in text, text
+    # two calls in one assistant turn: the template refuses them, a 400 and not a 500
+    two = ASK + [{"role": "assistant", "content": None, "tool_calls": [call, {**call, "id": "call_2"}]}]
+    with pytest.raises(openai.BadRequestError) as info:
+        await c.chat.completions.create(model="x", messages=two, tools=TOOLS, max_tokens=8)
+    assert info.value.body["param"] == "messages" and "single tool-calls" in info.value.body["message"]
+
+
+async def test_auto_tool_choice_disabled_is_vllms_400(llama_server):
+    c = AsyncOpenAI(api_key="x", base_url=f"{llama_server.root_url}/noauto/v1")
+    before = await llama_server.wait_idle(pinned_ok=True)
+    for fields in ({}, {"tool_choice": "auto"}):   # auto is also the default when tools are sent
+        with pytest.raises(openai.BadRequestError) as info:
+            await c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, max_tokens=8, **fields)
+        assert info.value.body["param"] == "tool_choice"
+        assert '"auto" tool choice requires --enable-auto-tool-choice' in info.value.body["message"]
+    after = await llama_server.wait_idle(pinned_ok=True)
+    assert after["num_steps"] == before["num_steps"], "a rejected request reached the engine"
+    # the forced choices do not need it
+    r = await c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=200,
+                                        temperature=0, parallel_tool_calls=False)
+    check_calls(r.choices[0].message.tool_calls, ("get_weather",))
+    r = await c.chat.completions.create(model="x", messages=ASK, max_tokens=4, temperature=0)   # no tools: as before
+    assert r.choices[0].message.content is not None
+
