@@ -38,6 +38,7 @@ class Settings:
     limits: SessionLimits = field(default_factory=SessionLimits)
     public_url: str | None = None  # printed in the ready message
     audio: bool = True  # the audio stage (VAD, Whisper, TTS); False answers audio events with audio_unavailable
+    max_request_bytes: int = http_api.DEFAULT_MAX_REQUEST_BYTES   # HTTP API bodies above this get a 413
 
 
 def create_app(settings: Settings | None = None, engine=None) -> Starlette:
@@ -70,6 +71,7 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
         Route("/v1/completions", http_api.completions, methods=["POST"]),
         Route("/health", http_api.health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/v1/{path:path}", http_api.not_served, methods=http_api.ALL_METHODS),  # JSON 404/405, not the demo
     ]
     if WEB_DEMO_DIR.is_dir():
         routes.append(Mount("/", app=StaticFiles(directory=WEB_DEMO_DIR, html=True), name="web_demo"))
