@@ -261,9 +261,9 @@ def _check_chars(chars: int, engine, param: str) -> None:
     """Refuse, before tokenizing, a prompt with more characters than the context can hold tokens of."""
     most = engine.max_model_len * _max_token_chars(engine.tokenizer)
     if chars > most:
-        raise HTTPError(400, f"Invalid '{param}': the prompt is {chars} characters long, more than this model's "
-                             f"maximum context length of {engine.max_model_len} tokens can hold (at most {most} "
-                             f"characters).",
+        raise HTTPError(400, f"Invalid '{param}': the prompt is {chars} characters long and does not fit this "
+                             f"model's maximum context length of {engine.max_model_len} tokens (which holds at most "
+                             f"{most} characters).",
                         "context_length_exceeded", param)
 
 
