@@ -44,6 +44,7 @@ from gateway.metrics import LatencyTimer
 
 HTTP_PRIORITY = 1
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+GREEDY_BELOW = 1e-5   # vLLM's rule: a smaller temperature overflows the logits it divides; it means greedy
 ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
@@ -232,7 +233,10 @@ def _sampling(req: hm.SamplingFields, engine, prompt_len: int,
         raise HTTPError(400, f"'{field}' is too large: {limit}. This model's maximum context length is {context} "
                              f"tokens and your request has {prompt_len} input tokens ({limit} > {context} - "
                              f"{prompt_len}).", "invalid_value", field)
-    kwargs = {"max_tokens": limit or room, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
+    temperature = req.temperature
+    if temperature is not None and temperature < GREEDY_BELOW:
+        temperature = 0.0
+    kwargs = {"max_tokens": limit or room, "temperature": temperature, "top_p": req.top_p, "seed": req.seed,
               "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
               "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
               "top_k": -1 if req.top_k == 0 else req.top_k,   # vLLM: 0 and -1 both mean off
@@ -265,6 +269,14 @@ def _check_chars(chars: int, engine, param: str) -> None:
                              f"model's maximum context length of {engine.max_model_len} tokens (which holds at most "
                              f"{most} characters).",
                         "context_length_exceeded", param)
+
+
+def _chat_chars(req: hm.ChatCompletionRequest, tool_req: tl.ToolRequest) -> int:
+    """The characters the chat prompt renders at least: message texts, earlier calls, tool definitions."""
+    chars = sum(len(hm.message_text(m.content)) for m in req.messages)
+    chars += sum(len(c.function.arguments) for m in req.messages if isinstance(m, hm.AssistantMessage)
+                 for c in m.tool_calls or ())
+    return chars + (len(orjson.dumps(tool_req.definitions())) if tool_req.active else 0)
 
 
 def _tool_request(req: hm.ChatCompletionRequest) -> tl.ToolRequest:
@@ -328,7 +340,7 @@ async def _complete(request: Request, chat: bool) -> Response:
                 await tl.check_schemas(tool_req, engine.compile_structured)
         except InvalidRequestError as exc:
             raise HTTPError(400, str(exc), "invalid_value", exc.param) from None
-        _check_chars(sum(len(hm.message_text(m.content)) for m in req.messages), engine, "messages")
+        _check_chars(_chat_chars(req, tool_req), engine, "messages")
         prompt_ids = await asyncio.to_thread(_chat_prompt, req, state.renderer, tool_req)
     else:
         try:

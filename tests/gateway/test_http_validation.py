@@ -307,3 +307,26 @@ async def test_unknown_v1_routes_are_json_404_and_wrong_methods_405(server):
         assert r.status_code == 200 and "<html" in r.text.lower()
         r = await h.post(f"http://{server.auth_prefix}/v1/embeddings", json={})
         assert r.status_code == 401, r.text   # the key is checked first
+
+
+async def test_neutral_and_advisory_fields_are_accepted(server):
+    """What SDKs and OpenAI-targeted clients send by default is served: fields we do not implement at their neutral
+    value, advisory fields, vLLM's extras; a temperature below vLLM's greedy threshold decodes greedily."""
+    c = client(server)
+    ask = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+           {"role": "user", "content": [{"type": "text", "text": "Name a color."}]}]
+    greedy = await c.chat.completions.create(model="x", messages=ask, max_tokens=8, temperature=0)
+    r = await c.chat.completions.create(
+        model="x", messages=ask, max_completion_tokens=8, temperature=1e-9, n=1, logprobs=False, logit_bias={},
+        modalities=["text"], user="u1", metadata={"k": "v"}, store=False, service_tier="auto",
+        safety_identifier="s", prompt_cache_key="p", parallel_tool_calls=True, tool_choice="none",
+        extra_body={"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 1, "cache_salt": "tenant-a",
+                    "stop_token_ids": [], "ignore_eos": False})
+    assert r.choices[0].message.content == greedy.choices[0].message.content
+    r = await c.completions.create(model="x", prompt=["Red, green,"], max_tokens=4, temperature=0, n=1, best_of=1,
+                                   echo=False, logprobs=None, stop=["\n"], user="u1", seed=2**63 - 1)
+    assert r.choices[0].text is not None and r.usage.completion_tokens <= 4
+    # an assistant message the SDK gave back, as is, continues the conversation
+    again = await c.chat.completions.create(model="x", max_tokens=4, temperature=0, messages=[
+        *ask, greedy.choices[0].message.model_dump(), {"role": "user", "content": "Another?"}])
+    assert again.usage.prompt_tokens > greedy.usage.prompt_tokens
