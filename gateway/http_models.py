@@ -29,6 +29,18 @@ MAX_CACHE_SALT_CHARS = 1024
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule for function and schema names
 
 
+# vLLM's extra request fields that rtserve does not implement: refused as unsupported rather than unknown. (`priority`
+# is not taken from clients: HTTP requests always run behind realtime turns.)
+VLLM_NOT_IMPLEMENTED = frozenset({
+    "priority", "use_beam_search", "length_penalty", "best_of", "include_stop_str_in_output", "skip_special_tokens",
+    "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words",
+    "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents", "chat_template",
+    "chat_template_kwargs", "mm_processor_kwargs", "guided_decoding_backend", "guided_whitespace_pattern",
+    "guided_json_object", "logits_processors", "return_tokens_as_token_ids", "return_token_ids", "request_id",
+    "kv_transfer_params", "vllm_xargs", "prompt_embeds", "response_format_schema", "thinking_token_budget",
+})
+
+
 class RequestValidationError(Exception):
     """A request body that does not follow the models; `param` is the field's path, `code` OpenAI's error code."""
 
@@ -405,6 +417,9 @@ def _error(err: dict) -> RequestValidationError:
     if kind == "missing":
         return RequestValidationError(f"Missing required parameter: '{name}'.", param, "missing_required_parameter")
     if kind == "extra_forbidden":
+        if param in VLLM_NOT_IMPLEMENTED:
+            return RequestValidationError(f"Unsupported parameter: '{name}' (a vLLM extension) is not implemented by "
+                                          f"this server.", param, "unsupported_parameter")
         return RequestValidationError(f"Unknown parameter: '{name}'.", param, "unknown_parameter")
     got = JSON_NAMES.get(_kind(err.get("input"))[1:], "another kind of value")
     if kind == "invalid_kind":
