@@ -123,17 +123,14 @@ async def not_served(request: Request) -> Response:
             allowed = ", ".join(sorted(route.methods or ()))
             raise HTTPError(405, f"{method} is not allowed on {path}; use {allowed}.", "method_not_allowed",
                             headers={"Allow": allowed})
-    raise HTTPError(404, f"{method} {path} is not served by rtserve (it serves /v1/chat/completions, "
-                         f"/v1/completions, /v1/models and the /v1/realtime WebSocket).", "not_found")
-
-
-def _max_request_bytes(request: Request) -> int:
-    return getattr(request.app.state.settings, "max_request_bytes", None) or DEFAULT_MAX_REQUEST_BYTES
+    served = sorted(r.path for r in request.app.routes if isinstance(r, (Route, WebSocketRoute))
+                    and r.path.startswith("/v1/") and r.endpoint is not not_served)
+    raise HTTPError(404, f"{method} {path} is not served by rtserve; it serves {', '.join(served)}.", "not_found")
 
 
 async def _read_body(request: Request) -> bytes:
     """The body, refused with a 413 as soon as its Content-Length or the bytes read so far pass the cap."""
-    limit = _max_request_bytes(request)
+    limit = request.app.state.settings.max_request_bytes
     too_large = HTTPError(413, f"The request body is larger than this server's limit of {limit} bytes "
                                f"(--max-request-bytes).", "request_too_large")
     declared = request.headers.get("content-length")
