@@ -18,6 +18,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from gateway.http_models import ChatCompletionRequest, CompletionRequest
+from tests.gateway.realtime.client import open_raw
 
 ABORTED_WITHIN = 256  # tokens an aborted request may still make between the client's leaving and the abort
 MESSAGES = [{"role": "user", "content": "Say hi."}]
@@ -193,8 +194,12 @@ POISON = [  # issue 21: each of these reached the engine and failed its step for
 
 async def test_poison_requests_are_400_while_a_stream_completes(server):
     """Each poison is refused while a stream is in flight (one is sent after each streamed chunk), and the stream
-    ends as it would alone: every token it asked for, finish_reason length."""
+    ends as it would alone: every token it asked for, finish_reason length. A Realtime response started alongside
+    ends normally too."""
     base = await server.wait_idle(pinned_ok=True)
+    raw = await open_raw(server, max_output_tokens=64)
+    await raw.say("Write a long story about the sea.")
+    await raw.send({"type": "response.create"})
     want = 2 * len(POISON)
     stream = await client(server).chat.completions.create(
         model="x", messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=want, seed=3,
@@ -210,8 +215,11 @@ async def test_poison_requests_are_400_while_a_stream_completes(server):
             _check(await _send(server, chat, fields), param)
     assert next(poisons, None) is None, "the stream ended before every poison was sent"
     assert reasons == ["length"] and usage.completion_tokens == want, (reasons, usage)
-    after = await server.wait_idle(pinned_ok=True)
-    assert after["kv_pages_used"] == base["kv_pages_used"] and after["requests_running"] == 0
+    events = await raw.until("response.done")
+    assert events[-1]["response"]["status"] in ("completed", "incomplete"), events[-1]
+    assert not [e for e in events if e["type"] == "error"]
+    await raw.ws.close()
+    await server.wait_idle(pages_used=base["kv_pages_used"])   # the session's pins released too
 
 
 async def test_body_over_the_cap_is_413(server):
