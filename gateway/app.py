@@ -42,6 +42,7 @@ class Settings:
     chat_template: str | None = None  # a Jinja chat template (text or file path) instead of the model's own
     tool_call_parser: str | None = None  # "hermes" | "llama3_json"; None: detected from the chat template
     enable_auto_tool_choice: bool = True  # False: tool_choice "auto" is a 400, as in vLLM without the flag
+    max_request_bytes: int = http_api.DEFAULT_MAX_REQUEST_BYTES   # HTTP API bodies above this get a 413
 
 
 def create_app(settings: Settings | None = None, engine=None) -> Starlette:
@@ -74,6 +75,7 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
         Route("/v1/completions", http_api.completions, methods=["POST"]),
         Route("/health", http_api.health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/v1/{path:path}", http_api.not_served, methods=http_api.ALL_METHODS),  # JSON 404/405, not the demo
     ]
     if WEB_DEMO_DIR.is_dir():
         routes.append(Mount("/", app=StaticFiles(directory=WEB_DEMO_DIR, html=True), name="web_demo"))

@@ -43,6 +43,9 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     ap.add_argument("--send-queue-max", type=int, default=None,
                     help="outgoing events buffered per connection before a stalled client is disconnected")
+    ap.add_argument("--max-request-bytes", type=int, default=None,
+                    help="largest HTTP API request body in bytes; larger ones get a 413 before they are read "
+                         "(default 4 MiB)")
     ap.add_argument("--no-audio", action="store_true",
                     help="text only: no VAD/Whisper/TTS (audio events answer audio_unavailable)")
     ap.add_argument("--ws-compression", action="store_true",
@@ -97,6 +100,8 @@ def serve(argv: list[str]) -> int:
                         allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{ns.port}",
                         audio=not ns.no_audio, chat_template=ns.chat_template,
                         tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice)
+    if ns.max_request_bytes:
+        settings.max_request_bytes = ns.max_request_bytes
     uvicorn.run(create_app(settings), host=ns.host, port=ns.port, ws_max_size=WS_MAX_SIZE,
                 ws_per_message_deflate=ns.ws_compression, log_level=ns.log_level, timeout_graceful_shutdown=5)
     return 0

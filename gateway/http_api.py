@@ -2,6 +2,15 @@
 
 HTTP requests are batch traffic: they run at priority 1, behind realtime turns.
 
+Requests are refused as early and as cheaply as possible, and never reach the engine unless every field is valid:
+- by bytes: a body over `--max-request-bytes` is a 413, told by its Content-Length or while it is read;
+- by the request models (gateway/http_models.py): a mistyped, out-of-range or unknown field is a 400 naming it;
+- by characters: a prompt with more characters than `max_model_len` tokens of the longest vocabulary entry can hold
+  is refused before the tokenizer sees it; otherwise it is tokenized on a worker thread, never on the event loop;
+- by tokens: a prompt that leaves no room in the context, or a `max_tokens` beyond that room, is a 400 naming the limit
+  (as vLLM answers; no silent clamp). Without `max_tokens` the output may fill the context.
+A non-streaming request whose client disconnects is aborted, like a stream.
+
 Structured outputs: OpenAI's `response_format` (json_object, json_schema) and vLLM's extra fields (`structured_outputs`
 and the older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`) become
 `SamplingParams.structured_outputs`, enforced by the engine's grammar-constrained decoding. A spec the grammar compiler
@@ -9,43 +18,56 @@ rejects is a 400 whose `param` names the field the client sent.
 
 Tools: `tools` / `tool_choice` / `parallel_tool_calls` on chat (gateway/tools.py: the tool prompt, the call grammar,
 the call parser); calls come back as `message.tool_calls` or streamed `delta.tool_calls`, finish_reason "tool_calls".
+
+Any other path under /v1/ is a JSON 404 (405 for a method a served route does not take), not the web demo's answer.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from typing import Any
 
 import jinja2
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
+from starlette.routing import Match, Route, WebSocketRoute
 
 from engine import SamplingParams, StructuredOutputsParams
 from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
+from gateway import http_models as hm
 from gateway import tools as tl
 from gateway.realtime import protocol as p
 from gateway.handshake import bearer_ok
 from gateway.metrics import LatencyTimer
 
 HTTP_PRIORITY = 1
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+GREEDY_BELOW = 1e-5   # vLLM's rule: a smaller temperature overflows the logits it divides; it means greedy
+ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+                 type: str = "invalid_request_error", headers: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.type = status, message, code, param, type
+        self.headers = headers
 
 
-def json_response(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+class ClientGone(Exception):
+    """The client disconnected while its request was being served."""
+
+
+def json_response(body: Any, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
 def error_response(err: HTTPError) -> Response:
     return json_response({"error": {"message": err.message, "type": err.type, "param": err.param,
-                                    "code": err.code}}, err.status)
+                                    "code": err.code}}, err.status, err.headers)
 
 
 def _engine(request: Request):
@@ -68,6 +90,8 @@ def endpoint(fn):
             return await fn(request)
         except HTTPError as err:
             return error_response(err)
+        except ClientGone:   # nobody reads this; uvicorn drops it
+            return Response(status_code=499)
     wrapper.__name__ = fn.__name__
     return wrapper
 
@@ -86,58 +110,90 @@ async def models(request: Request) -> Response:
         {"id": engine.model_name, "object": "model", "created": request.app.state.started, "owned_by": "rtserve"}]})
 
 
-async def _body(request: Request) -> dict:
+@endpoint
+async def not_served(request: Request) -> Response:
+    """Every other path under /v1/: 405 when a served route takes another method, else 404."""
+    method, path = request.method, request.url.path
+    for route in request.app.routes:
+        if isinstance(route, WebSocketRoute) and route.matches({**request.scope, "type": "websocket"})[0] == \
+                Match.FULL:
+            raise HTTPError(426, f"{path} is a WebSocket endpoint (the Realtime API): connect with a WebSocket "
+                                 f"client.", "upgrade_required")
+        if isinstance(route, Route) and route.endpoint is not not_served and \
+                route.matches(request.scope)[0] == Match.PARTIAL:
+            allowed = ", ".join(sorted(route.methods or ()))
+            raise HTTPError(405, f"{method} is not allowed on {path}; use {allowed}.", "method_not_allowed",
+                            headers={"Allow": allowed})
+    served = sorted(r.path for r in request.app.routes if isinstance(r, (Route, WebSocketRoute))
+                    and r.path.startswith("/v1/") and r.endpoint is not not_served)
+    raise HTTPError(404, f"{method} {path} is not served by rtserve; it serves {', '.join(served)}.", "not_found")
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refused with a 413 as soon as its Content-Length or the bytes read so far pass the cap."""
+    limit = request.app.state.settings.max_request_bytes
+    too_large = HTTPError(413, f"The request body is larger than this server's limit of {limit} bytes "
+                               f"(--max-request-bytes).", "request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
     try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as e:
-        raise HTTPError(400, f"The request body is not valid JSON: {e}.", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "The request body must be a JSON object.", "invalid_json")
-    return body
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return b"".join(chunks)
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Return when the client disconnects (after the body is read, the ASGI server's next message is the
+    disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, coro):
+    """Await `coro`, cancelling it (which aborts its engine request) and raising ClientGone if the client leaves."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        raise ClientGone()
+    return work.result()
 
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}   # vLLM's older names for the structured_outputs fields
 
 
-def _structured(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+def _structured(req: hm.SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
     """The request's constraint and the body field it came from (for `param` in errors), or (None, None)."""
     found: list[tuple[StructuredOutputsParams, str]] = []
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-            raise HTTPError(400, "response_format must be an object with a 'type' of text, json_object or "
-                                 "json_schema.", "invalid_value", "response_format")
-        kind = rf["type"]
-        if kind == "json_object":
-            found.append((StructuredOutputsParams(json_object=True), "response_format"))
-        elif kind == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict):
-                raise HTTPError(400, "response_format.json_schema must be an object with 'name' and 'schema'.",
-                                "invalid_value", "response_format.json_schema")
-            if not isinstance(js.get("name"), str) or not js["name"]:
-                raise HTTPError(400, "response_format.json_schema.name must be a non-empty string.",
-                                "invalid_value", "response_format.json_schema.name")
-            if js.get("strict") is not None and not isinstance(js["strict"], bool):
-                raise HTTPError(400, "response_format.json_schema.strict must be a boolean.", "invalid_type",
-                                "response_format.json_schema.strict")
-            schema = js.get("schema")
-            if schema is not None and not isinstance(schema, dict):
-                raise HTTPError(400, "response_format.json_schema.schema must be a JSON Schema object.",
-                                "invalid_type", "response_format.json_schema.schema")
-            so = StructuredOutputsParams(json=schema) if schema is not None else \
-                StructuredOutputsParams(json_object=True)   # no schema: any JSON object
-            found.append((so, "response_format.json_schema.schema"))
-        elif kind != "text":
-            raise HTTPError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}.",
-                            "invalid_value", "response_format.type")
+    rf = getattr(req, "response_format", None)
+    if isinstance(rf, hm.JSONObjectFormat):
+        found.append((StructuredOutputsParams(json_object=True), "response_format"))
+    elif isinstance(rf, hm.JSONSchemaResponseFormat):
+        schema = rf.json_schema.schema_
+        so = StructuredOutputsParams(json=schema) if schema is not None else \
+            StructuredOutputsParams(json_object=True)   # no schema: any JSON object
+        found.append((so, "response_format.json_schema.schema"))
     try:
-        if body.get("structured_outputs") is not None:
-            found.append((StructuredOutputsParams.from_dict(body["structured_outputs"]), "structured_outputs"))
+        if req.structured_outputs is not None:
+            found.append((StructuredOutputsParams.from_dict(req.structured_outputs), "structured_outputs"))
         for name, field in GUIDED_FIELDS.items():
-            if body.get(name) is not None:
-                found.append((StructuredOutputsParams.from_dict({field: body[name]}, prefix=name), name))
+            if getattr(req, name) is not None:
+                found.append((StructuredOutputsParams.from_dict({field: getattr(req, name)}, prefix=name), name))
     except InvalidRequestError as exc:
         param = exc.param or "structured_outputs"
         if param.startswith("guided_") and "." in param:   # guided_json.json -> guided_json
@@ -159,59 +215,81 @@ def _structured_param(exc: InvalidRequestError, source: str | None) -> tuple[str
     return msg, param
 
 
-def _sampling(body: dict, engine, prompt_len: int, structured: tuple[StructuredOutputsParams | None, str | None],
+def _sampling(req: hm.SamplingFields, engine, prompt_len: int,
+              structured: tuple[StructuredOutputsParams | None, str | None],
               tool_req: tl.ToolRequest | None = None, tool_call_parser: str = "hermes") -> SamplingParams:
-    """OpenAI body fields → SamplingParams; `max_tokens` defaults to what fits the context."""
+    """A validated request -> SamplingParams; without a client cap the output may fill the rest of the context."""
+    context = engine.max_model_len
+    room = context - prompt_len
+    prompt_param = "messages" if isinstance(req, hm.ChatCompletionRequest) else "prompt"
+    if room < 1:
+        raise HTTPError(400, f"This model's maximum context length is {context} tokens; the prompt ({prompt_len} "
+                             f"tokens) does not fit it with room for an output token.", "context_length_exceeded",
+                        prompt_param)
+    limit, field = req.output_limit
+    if limit is not None and limit > room:
+        raise HTTPError(400, f"'{field}' is too large: {limit}. This model's maximum context length is {context} "
+                             f"tokens and your request has {prompt_len} input tokens ({limit} > {context} - "
+                             f"{prompt_len}).", "invalid_value", field)
+    temperature = req.temperature
+    if temperature is not None and temperature < GREEDY_BELOW:
+        temperature = 0.0
+    kwargs = {"max_tokens": limit or room, "temperature": temperature, "top_p": req.top_p, "seed": req.seed,
+              "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
+              "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
+              "top_k": -1 if req.top_k == 0 else req.top_k,   # vLLM: 0 and -1 both mean off
+              "min_p": req.min_p, "repetition_penalty": req.repetition_penalty, "ignore_eos": req.ignore_eos,
+              "stop_token_ids": req.stop_token_ids}
+    kwargs["structured_outputs"], source = structured
+    if tool_req is not None and tool_req.active:
+        if source is not None:
+            raise HTTPError(400, f"{source.split('.')[0]} cannot be combined with tools unless tool_choice is "
+                                 f"'none'.", "invalid_value", source.split(".")[0])
+        kwargs["structured_outputs"] = tl.tool_constraint(tool_req, tool_call_parser)
     try:
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        room = engine.max_model_len - prompt_len
-        if room < 1:
-            raise PromptTooLongError(f"the prompt ({prompt_len} tokens) does not fit the model's "
-                                     f"{engine.max_model_len}-token context")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                       or max_tokens < 1):
-            raise HTTPError(400, "max_tokens must be a positive integer.", "invalid_value", "max_tokens")
-        stop = body.get("stop")
-        if isinstance(stop, str):
-            stop = [stop]
-        if body.get("n", 1) != 1:
-            raise HTTPError(400, "Only n=1 is supported.", "invalid_value", "n")
-        kwargs = {"max_tokens": min(room, max_tokens or room),
-                  "temperature": body.get("temperature", 1.0),
-                  "top_p": body.get("top_p", 1.0), "seed": body.get("seed"), "stop": stop or None,
-                  "frequency_penalty": body.get("frequency_penalty") or 0.0,
-                  "presence_penalty": body.get("presence_penalty") or 0.0}
-        for key in ("top_k", "min_p", "repetition_penalty", "ignore_eos"):  # vLLM's extra fields
-            if key in body:
-                kwargs[key] = body[key]
-        kwargs["structured_outputs"], source = structured
-        if tool_req is not None and tool_req.active:
-            if source is not None:
-                raise HTTPError(400, f"{source.split('.')[0]} cannot be combined with tools unless tool_choice is "
-                                     f"'none'.", "invalid_value", source.split(".")[0])
-            kwargs["structured_outputs"] = tl.tool_constraint(tool_req, tool_call_parser)
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
-    except (InvalidRequestError, PromptTooLongError, TypeError, ValueError) as exc:
-        raise HTTPError(400, str(exc), "invalid_value", getattr(exc, "param", None)) from None
+    except InvalidRequestError as exc:   # the models hold the same limits; this is a second line
+        raise HTTPError(400, str(exc), "invalid_value", exc.param) from None
 
 
-def _chat_prompt(body: dict, renderer, tool_req: tl.ToolRequest) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise HTTPError(400, "'messages' must be a non-empty array.", "invalid_value", "messages")
+@functools.lru_cache(maxsize=8)
+def _max_token_chars(tokenizer) -> int:
+    """The longest vocabulary entry in characters: no token covers more characters of text than this (byte-level
+    entries spell one byte per character, SentencePiece entries one character per character)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def _check_chars(chars: int, engine, param: str) -> None:
+    """Refuse, before tokenizing, a prompt with more characters than the context can hold tokens of."""
+    most = engine.max_model_len * _max_token_chars(engine.tokenizer)
+    if chars > most:
+        raise HTTPError(400, f"Invalid '{param}': the prompt is {chars} characters long and does not fit this "
+                             f"model's maximum context length of {engine.max_model_len} tokens (which holds at most "
+                             f"{most} characters).",
+                        "context_length_exceeded", param)
+
+
+def _chat_chars(req: hm.ChatCompletionRequest, tool_req: tl.ToolRequest) -> int:
+    """The characters the chat prompt renders at least: message texts, earlier calls, tool definitions."""
+    chars = sum(len(hm.message_text(m.content)) for m in req.messages)
+    chars += sum(len(c.function.arguments) for m in req.messages if isinstance(m, hm.AssistantMessage)
+                 for c in m.tool_calls or ())
+    return chars + (len(orjson.dumps(tool_req.definitions())) if tool_req.active else 0)
+
+
+def _tool_request(req: hm.ChatCompletionRequest) -> tl.ToolRequest:
+    fields = {"tools": [t.model_dump(exclude_none=True) for t in req.tools] if req.tools is not None else None,
+              "tool_choice": req.tool_choice.model_dump(exclude_none=True)
+              if isinstance(req.tool_choice, hm.NamedToolChoice) else req.tool_choice,
+              "parallel_tool_calls": req.parallel_tool_calls}
+    return tl.parse_request({k: v for k, v in fields.items() if v is not None})
+
+
+def _chat_prompt(req: hm.ChatCompletionRequest, renderer, tool_req: tl.ToolRequest) -> list[int]:
     flat = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-            raise HTTPError(400, f"messages[{i}] needs a role of system, developer, user, assistant or tool.",
-                            "invalid_value", f"messages[{i}].role")
-        content = m.get("content") or ""
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        if not isinstance(content, str):
-            raise HTTPError(400, f"messages[{i}].content must be a string or an array of parts.",
-                            "invalid_type", f"messages[{i}].content")
-        role = "system" if m["role"] == "developer" else m["role"]
-        flat.append({"role": role, "content": content, **_tool_fields(m, i, flat)})
+    for i, m in enumerate(req.messages):
+        role = "system" if m.role == "developer" else m.role
+        flat.append({"role": role, "content": hm.message_text(m.content), **_tool_fields(m, i, flat)})
     native = renderer.takes_tools()
     messages, template_tools = tl.render(flat, tool_req, native)
     try:
@@ -222,49 +300,22 @@ def _chat_prompt(body: dict, renderer, tool_req: tl.ToolRequest) -> list[int]:
     return renderer.encode(text)
 
 
-def _tool_fields(m: dict, i: int, earlier: list[dict]) -> dict:
+def _tool_fields(m, i: int, earlier: list[dict]) -> dict:
     """An assistant message's `tool_calls` and a tool message's `tool_call_id` (which must answer an earlier call)."""
-    if m["role"] == "assistant" and m.get("tool_calls") is not None:
-        calls = m["tool_calls"]
-        if not isinstance(calls, list):
-            raise HTTPError(400, f"messages[{i}].tool_calls must be an array.", "invalid_type",
-                            f"messages[{i}].tool_calls")
-        for j, c in enumerate(calls):
-            at = f"messages[{i}].tool_calls[{j}]"
-            fn = c.get("function") if isinstance(c, dict) else None
-            if not isinstance(c, dict) or not isinstance(c.get("id"), str) or not isinstance(fn, dict):
-                raise HTTPError(400, f"{at} must be an object with an id and a function.", "invalid_value", at)
-            if not isinstance(fn.get("name"), str) or not tl.NAME_RE.match(fn["name"]):
-                raise HTTPError(400, f"{at}.function.name must match ^[a-zA-Z0-9_-]{{1,64}}$.", "invalid_value",
-                                f"{at}.function.name")
-            if not isinstance(fn.get("arguments"), str):
-                raise HTTPError(400, f"{at}.function.arguments must be a JSON string.", "invalid_type",
-                                f"{at}.function.arguments")
-        return {"tool_calls": [{"id": c["id"], "type": "function",
-                                "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
-                               for c in calls]} if calls else {}
-    if m["role"] == "tool":
-        call_id = m.get("tool_call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise HTTPError(400, f"messages[{i}] (role tool) needs a tool_call_id.", "invalid_value",
-                            f"messages[{i}].tool_call_id")
-        if not any(c["id"] == call_id for e in earlier for c in e.get("tool_calls", ())):
-            raise HTTPError(400, f"messages[{i}].tool_call_id {call_id!r} answers no tool call of an earlier "
+    if isinstance(m, hm.AssistantMessage) and m.tool_calls:
+        return {"tool_calls": [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                               for c in m.tool_calls]}
+    if isinstance(m, hm.ToolMessage):
+        if not any(c["id"] == m.tool_call_id for e in earlier for c in e.get("tool_calls", ())):
+            raise HTTPError(400, f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no tool call of an earlier "
                                  f"assistant message.", "invalid_value", f"messages[{i}].tool_call_id")
-        return {"tool_call_id": call_id}
+        return {"tool_call_id": m.tool_call_id}
     return {}
 
 
-def _completion_prompt(body: dict, renderer) -> list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return renderer.encode(prompt) if prompt else []
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise HTTPError(400, "'prompt' must be a string or an array of token ids (one prompt).", "invalid_value",
-                    "prompt")
+def _completion_prompt(prompt: str | list[int], renderer) -> list[int]:
+    return prompt if isinstance(prompt, list) else renderer.encode(prompt) if prompt else []
 
 
 @endpoint
@@ -280,41 +331,80 @@ async def completions(request: Request) -> Response:
 async def _complete(request: Request, chat: bool) -> Response:
     engine = _engine(request)
     state = request.app.state
-    body = await _body(request)
+    try:
+        req = hm.parse(hm.ChatCompletionRequest if chat else hm.CompletionRequest, await _read_body(request))
+    except hm.RequestValidationError as exc:
+        raise HTTPError(400, exc.message, exc.code, exc.param) from None
     tool_req = None
     if chat:
         try:
-            tool_req = tl.parse_request(body)
+            tool_req = _tool_request(req)
             tl.check_auto_allowed(tool_req, state.settings.enable_auto_tool_choice)
             if tool_req.active:   # a schema the grammar compiler rejects is a 400 naming the tool
                 await tl.check_schemas(tool_req, engine.compile_structured)
         except InvalidRequestError as exc:
             raise HTTPError(400, str(exc), "invalid_value", exc.param) from None
-        prompt_ids = await asyncio.to_thread(_chat_prompt, body, state.renderer, tool_req)
+        _check_chars(_chat_chars(req, tool_req), engine, "messages")
+        prompt_ids = await asyncio.to_thread(_chat_prompt, req, state.renderer, tool_req)
     else:
-        prompt_ids = await asyncio.to_thread(_completion_prompt, body, state.renderer)
+        try:
+            prompt = req.single_prompt()
+        except hm.RequestValidationError as exc:
+            raise HTTPError(400, exc.message, exc.code, exc.param) from None
+        if isinstance(prompt, str):
+            _check_chars(len(prompt), engine, "prompt")
+        prompt_ids = await asyncio.to_thread(_completion_prompt, prompt, state.renderer)
     if not prompt_ids:
-        raise HTTPError(400, "The prompt is empty.", "invalid_value", "prompt")
-    structured = _structured(body)
-    params = _sampling(body, engine, len(prompt_ids), structured, tool_req, state.tool_call_parser)
+        raise HTTPError(400, "The prompt is empty.", "invalid_value", "messages" if chat else "prompt")
+    structured = _structured(req)
+    params = _sampling(req, engine, len(prompt_ids), structured, tool_req, state.tool_call_parser)
     parse_tools = tool_req is not None and tool_req.active
     rid = p.new_id("chatcmpl" if chat else "cmpl")
     created = int(time.time())
-    model = body.get("model") or engine.model_name
-    gen = engine.generate(rid, prompt_ids, params, priority=HTTP_PRIORITY, cache_salt=body.get("cache_salt"))
+    model = req.model or engine.model_name
+    gen = engine.generate(rid, prompt_ids, params, priority=HTTP_PRIORITY, cache_salt=req.cache_salt)
     timer = LatencyTimer(state.metrics, "http", asyncio.get_running_loop().time())
     try:  # surface prompt errors (raised before the first output) as HTTP 400, not a broken stream
-        first = await anext(gen)
+        first = await _unless_gone(request, anext(gen))
     except (PromptTooLongError, InvalidRequestError) as exc:
         msg, param = _structured_param(exc, "tools" if parse_tools else structured[1])
-        raise HTTPError(400, msg, type(exc).__name__, param) from None
-    except EngineError as exc:
-        raise HTTPError(500, str(exc), "engine_error", type="server_error") from None
-    if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        raise HTTPError(400, msg, "context_length_exceeded" if isinstance(exc, PromptTooLongError)
+                        else "invalid_value", param) from None
+    except EngineError:
+        raise HTTPError(500, "The engine failed while serving this request.", "engine_error",
+                        type="server_error") from None
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(gen, first, rid, created, model, chat, include_usage, timer,
                                          tl.new_tool_parser(state.tool_call_parser) if parse_tools else None),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        text, out, n_out = await _unless_gone(request, _collect(gen, first, timer))
+    except EngineError:
+        raise HTTPError(500, "The engine failed while serving this request.", "engine_error",
+                        type="server_error") from None
+    usage = _usage(out, n_out)
+    reason = "length" if out.finish_reason == "length" else "stop"
+    if chat:
+        message = {"role": "assistant", "content": text}
+        if parse_tools:
+            content, calls = tl.parse_output(message["content"], tl.new_tool_parser(state.tool_call_parser))
+            message["content"] = content if calls or content else ""
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return json_response({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+                          "usage": usage})
+
+
+async def _collect(gen, first, timer) -> tuple[str, Any, int]:
+    """A non-streaming request's whole output: (text, last output, number of output tokens). Closing the generator
+    (this task cancelled) aborts the engine request."""
     text, out, n_out = [], first, 0
     async with contextlib.aclosing(gen):
         while True:
@@ -325,23 +415,7 @@ async def _complete(request: Request, chat: bool) -> Response:
             if out.finished:
                 break
             out = await anext(gen)
-    usage = _usage(out, n_out)
-    reason = "length" if out.finish_reason == "length" else "stop"
-    if chat:
-        message = {"role": "assistant", "content": "".join(text)}
-        if parse_tools:
-            content, calls = tl.parse_output(message["content"], tl.new_tool_parser(state.tool_call_parser))
-            message["content"] = content if calls or content else ""
-            if calls:
-                message["tool_calls"] = calls
-                reason = "tool_calls" if reason == "stop" else reason
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": reason}
-        obj = "text_completion"
-    return json_response({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-                          "usage": usage})
+    return "".join(text), out, n_out
 
 
 def _usage(out, n_out: int) -> dict:
