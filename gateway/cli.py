@@ -249,7 +249,7 @@ def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
     origins = [o.strip().rstrip("/") for o in ns.allowed_origins.split(",") if o.strip()] if ns.allowed_origins \
         else None
     settings = Settings(model=ns.model, engine_args=args, api_key=ns.api_key or env.raw("RTSERVE_API_KEY") or None,
-                        allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{ns.port}",
+                        allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{sock.getsockname()[1]}",
                         audio=not ns.no_audio, chat_template=ns.chat_template,
                         tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice)
     if ns.max_request_bytes:

@@ -1,5 +1,5 @@
-"""The README's "Connect" snippets, taken from the README itself, run against a served instance; its flag table lists
-every `rtserve serve` flag. So the README and the code cannot drift apart.
+"""The README's snippets ("Connect" and every other one for the server), taken from the README itself, run against a
+served instance, and its flag table lists every `rtserve serve` flag: the README and the code cannot drift apart.
 
 The snippets are written for `make serve` (http://127.0.0.1:8000); the test swaps in the `server` fixture's address and
 runs each one as a user would: curl in bash, Python in a fresh interpreter.
@@ -32,14 +32,15 @@ def code_blocks(text: str) -> list[tuple[str, str]]:
     return re.findall(r"^```(\w*)\n(.*?)^```$", text, flags=re.M | re.S)
 
 
-def connect_snippets() -> tuple[list[str], list[str]]:
-    blocks = code_blocks(section("Connect"))
+def server_snippets(text: str) -> tuple[list[str], list[str]]:
+    """The curl (bash) and Python blocks of `text` that talk to `make serve`'s address."""
+    blocks = [(lang, code) for lang, code in code_blocks(text) if SERVE_ADDRESS in code]
     curls = [code for lang, code in blocks if lang == "bash" and "curl " in code]
     pythons = [code for lang, code in blocks if lang == "python"]
     return curls, pythons
 
 
-def run_snippet(args: list[str], server) -> str:
+def run_snippet(args: list[str]) -> str:
     """Run a snippet pointed at `server`; its stdout. The timeout only guards a hang."""
     r = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"{args[-1]}\nstdout: {r.stdout}\nstderr: {r.stderr}"
@@ -47,17 +48,17 @@ def run_snippet(args: list[str], server) -> str:
 
 
 def at(server, code: str) -> str:
-    assert SERVE_ADDRESS in code, "a Connect snippet that does not talk to `make serve`'s address"
     return code.replace(SERVE_ADDRESS, f"{server.host}:{server.port}")
 
 
-def test_connect_snippets_run_against_a_served_instance(server):
-    curls, pythons = connect_snippets()
+def test_readme_snippets_run_against_a_served_instance(server):
+    curls, pythons = server_snippets(section("Connect"))
     assert len(curls) == 1 and len(pythons) == 2, "the Connect section lost a snippet"
-    body = json.loads(run_snippet(["bash", "-c", at(server, curls[0])], server))
+    body = json.loads(run_snippet(["bash", "-c", at(server, curls[0])]))
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"].strip()
-    for code in pythons:   # the HTTP SDK call (plain and streamed), then the Realtime SDK turn
-        out = run_snippet([sys.executable, "-c", at(server, code)], server)
+    # the HTTP SDK call (plain and streamed), the Realtime SDK turn, then every other README snippet for the server
+    for code in pythons + [code for code in server_snippets(README.read_text())[1] if code not in pythons]:
+        out = run_snippet([sys.executable, "-c", at(server, code)])
         assert out.strip(), code
     asyncio.run(server.wait_idle())
 
