@@ -1,46 +1,97 @@
-"""`rtserve serve ...` runs the gateway; `rtserve bench NAME ...` forwards the rest of argv to `bench.NAME.main(argv)`."""
+"""The `rtserve` command: `rtserve serve [MODEL]` runs the gateway, `rtserve bench NAME ...` runs bench/NAME.py.
+
+`rtserve serve` checks its flags, then binds the port, before it imports the engine or loads anything: a bad value or
+a busy port ends in one line naming the flag, with exit code 2, instead of a traceback after the model has loaded.
+This module therefore imports nothing heavy at import time (`kernels` pulls in torch).
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
+import socket
 import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
-from kernels import settings
+# `rtserve bench --help` lists these; each module's own `--help` explains its flags (tests/gateway/test_cli.py keeps
+# this list equal to the modules in bench/).
+BENCHMARKS = {
+    "throughput": "offline engine tok/s against HF transformers (sequential and static batches of 8), KV waste; "
+                  "--structured json adds the same workload under a JSON-schema grammar",
+    "realtime": "concurrent text sessions over the Realtime WebSocket, prefix cache on vs off: time to first delta, "
+                "gaps between deltas, TTFT per turn (starts its own server, or measures --url)",
+    "voice": "concurrent spoken turns over the Realtime WebSocket: end of speech to transcript, first text and first "
+             "audio, playback gaps (starts its own server, or measures --url)",
+    "tts": "many replies starting to speak at once on the shared TTS worker: first audio, whole clause, worst "
+           "playback gap; streamed synthesis against piper's whole-clause way",
+    "structured_libs": "xgrammar (the engine's grammar library) against llguidance and outlines-core on the engine's "
+                       "tokenizer: grammar compile time and token-mask time per decode step",
+}
+DTYPES = ("auto", "bfloat16", "float32")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# CLI flag -> engine argument; only the flags a user gives are passed, so the engine's defaults stay the defaults
+ENGINE_FLAGS = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                "page_size", "dtype", "attention_backend", "pinned_blocks_fraction", "device", "num_threads",
+                "quantization")
 
-USAGE = """usage: rtserve serve [options]      run the OpenAI-compatible Realtime + HTTP server
-       rtserve bench NAME [args]    run bench/NAME.py (e.g. `rtserve bench realtime --help`)"""
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but an error is one line (the flag and what it allows), not the usage block above it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def serve_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="rtserve serve", description="OpenAI Realtime (WebSocket) + HTTP API server.")
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except None: those flags say in their help what happens when they are not given."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    ap = ap or ArgumentParser(prog="rtserve serve", description="OpenAI Realtime (WebSocket) + HTTP API server.",
+                              formatter_class=HelpFormatter)
+    ap.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                    help="HF model directory or .gguf file, as in `vllm serve MODEL` (the same as --model)")
     ap.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=settings.raw("RTSERVE_API_KEY") or None,
-                    help="require this key (Bearer header, openai-insecure-api-key. subprotocol or ?api-key=)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on (bound before the model loads)")
+    ap.add_argument("--api-key", default=None,
+                    help="require this key (Bearer header, openai-insecure-api-key. subprotocol or ?api-key=); "
+                         "default: $RTSERVE_API_KEY, else no key")
     ap.add_argument("--allowed-origins", default=None,
                     help="comma-separated browser origins allowed besides same-origin pages ('*' for any)")
     ap.add_argument("--kv-cache-memory", default=None, help='KV cache size, bytes or e.g. "2GiB" (engine default 1GiB)')
-    ap.add_argument("--max-num-seqs", type=int, default=None)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="most requests running at once (engine default 64)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="most tokens one engine step computes, decodes and prefill chunks together (engine default "
+                         "512)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="longest prompt + output in tokens (default: the model's context length)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="tokens per prefix-cache block (engine default 16)")
     ap.add_argument("--page-size", type=int, default=None,
                     help="KV slots per page, the unit of KV memory; must divide --block-size (engine default 4)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                    help="LLM weights/activations (default bfloat16: AMX/AVX-512 GEMMs on CPU, half the memory traffic "
-                         "per decoded token; float32 matches HF transformers token for token)")
-    ap.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    ap.add_argument("--dtype", default="auto", choices=DTYPES,
+                    help="LLM weights/activations. auto = bfloat16: AMX/AVX-512 GEMMs on CPU, half the memory traffic "
+                         "per decoded token; float32 matches HF transformers token for token")
+    ap.add_argument("--attention-backend", default=None, choices=["torch", "triton"],
+                    help="default: $RTSERVE_ATTENTION_BACKEND, else Triton for CUDA tensors and torch otherwise")
     ap.add_argument("--pinned-blocks-fraction", type=float, default=None,
                     help="share of the KV pool live sessions may keep pinned (engine default 0.5)")
     ap.add_argument("--device", default=None, help='"cpu" (default) or "cuda"')
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
-    ap.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: chosen per CPU)")
     ap.add_argument("--quantization", default=None, choices=["none", "gguf"],
                     help='"gguf": decode batches of up to 64 rows run on the GGUF file\'s own Q4_1 blocks (faster decode '
                          'on CPU). Default: gguf for the embedded model on the CPU, none otherwise')
-    ap.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="reuse the KV cache of prompt prefixes seen before (a session's earlier turns, shared "
+                         "instructions)")
+    ap.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                    help=argparse.SUPPRESS)   # the old spelling of --no-enable-prefix-caching
     ap.add_argument("--send-queue-max", type=int, default=None,
                     help="outgoing events buffered per connection before a stalled client is disconnected")
     ap.add_argument("--max-request-bytes", type=int, default=None,
@@ -61,17 +112,41 @@ def serve_parser() -> argparse.ArgumentParser:
                     help="the model's tool-call format, for the call grammar and the parser: hermes (<tool_call> JSON, "
                          'Qwen2.5 / Hermes, and rtserve\'s own tool prompt) or llama3_json (Llama 3.1\'s {"name", '
                          '"parameters"} JSON). Default: detected from the chat template')
-    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    ap.add_argument("--log-level", default="info", choices=LOG_LEVELS[:-1], help="rtserve's own log level")
+    ap.add_argument("--uvicorn-log-level", default=None, choices=LOG_LEVELS,
+                    help="uvicorn's log level (its access and connection lines); default: --log-level")
     return ap
+
+
+def main_parser() -> argparse.ArgumentParser:
+    ap = ArgumentParser(prog="rtserve", description="rtserve: an OpenAI Realtime + HTTP API server on its own engine.")
+    ap.add_argument("--version", action="version", version=f"rtserve {package_version()}")
+    commands = ap.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=ArgumentParser)
+    serve_parser(commands.add_parser("serve", help="run the OpenAI-compatible Realtime + HTTP server",
+                                     description="OpenAI Realtime (WebSocket) + HTTP API server.",
+                                     formatter_class=HelpFormatter))
+    bench = commands.add_parser("bench", help="run a benchmark (`rtserve bench --help` lists them)",
+                                description="Run a benchmark from bench/. `rtserve bench NAME --help` explains NAME's "
+                                            "flags; docs/benchmarks.md has the latest figures and the commands.")
+    names = bench.add_subparsers(dest="name", metavar="NAME", required=True, parser_class=ArgumentParser)
+    for name, summary in BENCHMARKS.items():
+        names.add_parser(name, help=summary, add_help=False)   # its own argv goes to bench/NAME.py's parser
+    return ap
+
+
+def package_version() -> str:
+    try:
+        return version("rtserve")
+    except PackageNotFoundError:   # run from a source tree that was never installed
+        return "unknown"
 
 
 def engine_args(ns: argparse.Namespace) -> dict:
     """CLI flags → AsyncEngine keyword arguments (only those given, so the engine's defaults stay the defaults)."""
-    args = {key: getattr(ns, key) for key in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-                                              "max_model_len", "block_size", "page_size", "dtype", "attention_backend",
-                                              "pinned_blocks_fraction", "device", "num_threads", "quantization")
-            if getattr(ns, key) is not None}
-    if ns.no_prefix_caching:
+    args = {key: getattr(ns, key) for key in ENGINE_FLAGS if getattr(ns, key) is not None}
+    if args.get("dtype") == "auto":   # the server's fast path; the engine API's own default stays float32
+        args["dtype"] = "bfloat16"
+    if not ns.enable_prefix_caching:
         args["enable_prefix_caching"] = False
     if ns.enforce_eager:
         args["enforce_eager"] = True
@@ -81,59 +156,127 @@ def engine_args(ns: argparse.Namespace) -> dict:
     return args
 
 
-def serve(argv: list[str]) -> int:
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_model(ns: argparse.Namespace) -> str | None:
+    """The one-line problem with MODEL / --model, or None. Only the path is looked at: nothing is loaded."""
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            return f"argument MODEL: {ns.model_tag!r} and --model {ns.model!r} disagree; give one"
+        ns.model = ns.model_tag
+    if ns.model is None:
+        return None
+    path = Path(ns.model).expanduser()
+    if not path.exists():
+        return f"argument --model: {path} does not exist (expected a HF model directory or a .gguf file)"
+    if path.is_dir() and not (path / "config.json").is_file():
+        return f"argument --model: {path} has no config.json (expected a HF model directory or a .gguf file)"
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        return f"argument --model: {path} is not a .gguf file (expected a HF model directory or a .gguf file)"
+    if ns.quantization == "gguf" and path.suffix.lower() != ".gguf":
+        return f"argument --quantization: gguf needs a .gguf model file, got {path}"
+    return None
+
+
+def check_engine_args(args: dict) -> str | None:
+    """The engine's own validation (engine.EngineArgs) of the flags, as one line naming the flag, or None."""
+    from engine import EngineArgs, parse_size
+    from engine.errors import InvalidRequestError
+
+    if "kv_cache_memory" in args:
+        try:
+            parse_size(args["kv_cache_memory"])
+        except ValueError as e:
+            return f"argument --kv-cache-memory: {e}"
+    try:
+        EngineArgs.from_kwargs(**args)
+    except InvalidRequestError as e:
+        message = str(e)
+        for name in ENGINE_FLAGS:   # the engine's names, spelt as the flags the user typed
+            message = message.replace(name, flag(name))
+        return message if not e.param or flag(e.param) in message else f"argument {flag(e.param)}: {message}"
+    return None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening address, bound now so a busy port fails before the model loads; uvicorn serves on it later."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds: a TIME_WAIT port is free
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(argv: list[str], ns: argparse.Namespace | None = None) -> int:
+    ap = serve_parser()
+    ns = ns or ap.parse_args(argv)
+    problem = check_model(ns)
+    if problem:
+        ap.error(problem)
+    try:
+        sock = bind_socket(ns.host, ns.port)
+    except OSError as e:
+        ap.error(f"argument --port: cannot listen on {ns.host}:{ns.port}: {e.strerror or e}")
+    try:
+        args = engine_args(ns)
+        problem = check_engine_args(args)
+        if problem:
+            ap.error(problem)
+        return run_server(ns, args, sock)
+    finally:
+        sock.close()
+
+
+def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
     import logging
 
     import uvicorn
 
     from gateway.app import WS_MAX_SIZE, Settings, create_app
     from gateway.realtime.session import SessionLimits
+    from kernels import settings as env
 
-    ns = serve_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     limits = SessionLimits()
     if ns.send_queue_max:
         limits.send_queue_max = ns.send_queue_max
     origins = [o.strip().rstrip("/") for o in ns.allowed_origins.split(",") if o.strip()] if ns.allowed_origins \
         else None
-    settings = Settings(model=ns.model, engine_args=engine_args(ns), api_key=ns.api_key or None,
-                        allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{ns.port}",
+    settings = Settings(model=ns.model, engine_args=args, api_key=ns.api_key or env.raw("RTSERVE_API_KEY") or None,
+                        allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{sock.getsockname()[1]}",
                         audio=not ns.no_audio, chat_template=ns.chat_template,
                         tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice)
     if ns.max_request_bytes:
         settings.max_request_bytes = ns.max_request_bytes
-    uvicorn.run(create_app(settings), host=ns.host, port=ns.port, ws_max_size=WS_MAX_SIZE,
-                ws_per_message_deflate=ns.ws_compression, log_level=ns.log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(create_app(settings), ws_max_size=WS_MAX_SIZE, ws_per_message_deflate=ns.ws_compression,
+                            log_level=ns.uvicorn_log_level or ns.log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 
-def bench(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: rtserve bench NAME [args]   (NAME: a module in bench/, e.g. realtime, throughput)")
-        return 0 if argv else 2
-    name = argv[0]
-    try:
-        module = importlib.import_module(f"bench.{name}")
-    except ModuleNotFoundError as e:
-        if e.name in (f"bench.{name}", "bench"):
-            print(f"rtserve: no benchmark named {name!r} (expected bench/{name}.py)", file=sys.stderr)
-            return 2
-        raise
-    return module.main(argv[1:]) or 0
+def bench(name: str, argv: list[str]) -> int:
+    module = importlib.import_module(f"bench.{name}")
+    return module.main(argv) or 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "serve":
-        return serve(rest)
-    if command == "bench":
-        return bench(rest)
-    print(USAGE, file=sys.stderr)
-    return 2
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
+        return bench(argv[1], argv[2:])   # the benchmark's own parser reads the rest, --help included
+    ap = main_parser()
+    if not argv:
+        ap.print_help()
+        return 2
+    ns = ap.parse_args(argv)
+    if ns.command == "serve":
+        return serve(argv[1:], ns)
+    return 2   # `rtserve bench` without a known NAME ends in argparse's error above
 
 
 if __name__ == "__main__":
