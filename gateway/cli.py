@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import sys
 
@@ -19,7 +20,14 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", default=settings.raw("RTSERVE_API_KEY") or None,
                     help="require this key (Bearer header, openai-insecure-api-key. subprotocol or ?api-key=)")
     ap.add_argument("--allowed-origins", default=None,
-                    help="comma-separated browser origins allowed besides same-origin pages ('*' for any)")
+                    help="comma-separated browser origins allowed besides same-origin pages ('*' for any); "
+                         "a request from any other page is refused (HTTP and WebSocket)")
+    ap.add_argument("--allowed-hosts", default=None,
+                    help="comma-separated Host names accepted besides IP addresses, localhost and the --host name "
+                         "('*.example.com' for subdomains, '*' for any): guards against DNS rebinding")
+    ap.add_argument("--shutdown-timeout", type=float, default=5.0,
+                    help="seconds a shutdown (SIGTERM) waits: Realtime responses in flight end with response.done "
+                         "(cancelled), HTTP streams get this long to finish (default 5)")
     ap.add_argument("--kv-cache-memory", default=None, help='KV cache size, bytes or e.g. "2GiB" (engine default 1GiB)')
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -43,6 +51,9 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     ap.add_argument("--send-queue-max", type=int, default=None,
                     help="outgoing events buffered per connection before a stalled client is disconnected")
+    ap.add_argument("--send-queue-max-bytes", type=int, default=None,
+                    help="outgoing bytes buffered per connection before a stalled client is disconnected "
+                         "(default 32 MiB)")
     ap.add_argument("--no-audio", action="store_true",
                     help="text only: no VAD/Whisper/TTS (audio events answer audio_unavailable)")
     ap.add_argument("--ws-compression", action="store_true",
@@ -73,22 +84,56 @@ def serve(argv: list[str]) -> int:
 
     import uvicorn
 
-    from gateway.app import WS_MAX_SIZE, Settings, create_app
+    from gateway import logs
+    from gateway.app import WS_MAX_SIZE, Settings, create_app, drain
+    from gateway.guard import default_allowed_hosts
     from gateway.realtime.session import SessionLimits
 
     ns = serve_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logs.install()
     limits = SessionLimits()
     if ns.send_queue_max:
         limits.send_queue_max = ns.send_queue_max
+    if ns.send_queue_max_bytes:
+        limits.send_queue_max_bytes = ns.send_queue_max_bytes
     origins = [o.strip().rstrip("/") for o in ns.allowed_origins.split(",") if o.strip()] if ns.allowed_origins \
         else None
+    hosts = default_allowed_hosts(ns.host) + [h.strip() for h in (ns.allowed_hosts or "").split(",") if h.strip()]
     settings = Settings(model=ns.model, engine_args=engine_args(ns), api_key=ns.api_key or None,
-                        allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{ns.port}",
-                        audio=not ns.no_audio)
-    uvicorn.run(create_app(settings), host=ns.host, port=ns.port, ws_max_size=WS_MAX_SIZE,
-                ws_per_message_deflate=ns.ws_compression, log_level=ns.log_level, timeout_graceful_shutdown=5)
+                        allowed_origins=origins, allowed_hosts=hosts, limits=limits,
+                        public_url=f"http://{ns.host}:{ns.port}", audio=not ns.no_audio)
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, ws_max_size=WS_MAX_SIZE,
+                            ws_per_message_deflate=ns.ws_compression, log_level=ns.log_level,
+                            timeout_graceful_shutdown=ns.shutdown_timeout)
+    _draining_server()(config, lambda: drain(app, ns.shutdown_timeout)).run()
     return 0
+
+
+def _draining_server():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, which on shutdown closes every WebSocket at once (1012): first stop accepting, then let
+        the app end its Realtime responses (`drain`), then uvicorn's own shutdown (HTTP requests get the rest of the
+        timeout to finish)."""
+
+        def __init__(self, config, drain_app) -> None:
+            super().__init__(config)
+            self.drain_app = drain_app
+
+        async def shutdown(self, sockets=None) -> None:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            for server in self.servers:
+                server.close()
+            await self.drain_app()
+            self.config.timeout_graceful_shutdown = max(0.1, (self.config.timeout_graceful_shutdown or 0)
+                                                        - (loop.time() - start))
+            await super().shutdown(sockets)
+
+    return DrainingServer
 
 
 def bench(argv: list[str]) -> int:
