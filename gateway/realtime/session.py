@@ -165,8 +165,10 @@ class RealtimeSession:
         written, before the server closes the socket. Returns early if the client goes away."""
         self.draining = True
         resp = self.active
-        if resp is not None and self.cancel_response(SHUTDOWN) and resp.task is not None:
-            await asyncio.wait({resp.task})
+        if resp is not None:
+            self.cancel_response(SHUTDOWN)  # (a no-op when the client cancelled it already: its done is coming)
+            if resp.task is not None:
+                await asyncio.wait({resp.task})
         flushed = asyncio.create_task(self._queue.join())
         closed = asyncio.create_task(self.closed.wait())
         try:
@@ -381,7 +383,7 @@ class RealtimeSession:
         self.add_item(item)
 
     def turn_ended(self, create_response: bool) -> None:
-        if create_response and not self.transcribe_only and self.active is None:
+        if create_response and not self.transcribe_only and self.active is None and not self.draining:
             self.start_response(None)
         else:
             self.speculation.drop_reply()
