@@ -90,7 +90,6 @@ def serve(argv: list[str]) -> int:
     from gateway.realtime.session import SessionLimits
 
     ns = serve_parser().parse_args(argv)
-    _fixed_mmap_threshold()
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logs.install()
     limits = SessionLimits()
@@ -110,22 +109,6 @@ def serve(argv: list[str]) -> int:
                             timeout_graceful_shutdown=ns.shutdown_timeout)
     _draining_server()(config, lambda: drain(app, ns.shutdown_timeout)).run()
     return 0
-
-
-def _fixed_mmap_threshold() -> None:
-    """glibc raises its mmap threshold after each large free (up to 32 MiB); from then on large buffers (client frames,
-    big items, the events answering them) come from the heap, which is rarely given back, and the server's RSS ratchets
-    up with every large message. A fixed threshold keeps them mmapped: freed, they go back to the OS."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if sys.platform != "linux" or not name:
-        return
-    try:
-        ctypes.CDLL(name).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD, glibc's default starting value
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        pass
 
 
 def _draining_server():
