@@ -28,8 +28,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from audio.stage import AudioStage
 from gateway.handshake import Handshake
 from gateway.metrics import Metrics
-from gateway.realtime import protocol as p
 from gateway.realtime import limits as lim
+from gateway.realtime import protocol as p
 from gateway.realtime import session_config as sc
 from gateway.realtime.audio_in import AudioInput, Span
 from gateway.realtime.audio_out import AudioOutput
@@ -135,7 +135,8 @@ class RealtimeSession:
         if event is None:
             return
         frame = p.dumps(event)
-        if self._queued_bytes + len(frame) > self.limits.send_queue_max_bytes:
+        if self._queued_bytes and self._queued_bytes + len(frame) > self.limits.send_queue_max_bytes:
+            # (an empty queue takes any one frame: the bound is the cap plus one event)
             self.close(f"client not reading: {self._queued_bytes + len(frame)} bytes queued")
             return
         try:

@@ -18,3 +18,16 @@ def test_cli_flags_map_to_engine_args(capsys):
     assert (ns.port, ns.api_key, ns.host) == (9000, "k", "127.0.0.1")
     assert cli.main(["bench", "no_such_bench"]) == 2
     assert cli.main([]) == 2 and "rtserve serve" in capsys.readouterr().out
+
+
+def test_security_and_limit_flags():
+    from gateway import cli
+    from gateway.guard import default_allowed_hosts
+
+    ns = cli.serve_parser().parse_args(["--allowed-hosts", "api.example.com,*.corp.test", "--shutdown-timeout", "2.5",
+                                        "--send-queue-max-bytes", "1048576"])
+    assert (ns.allowed_hosts, ns.shutdown_timeout, ns.send_queue_max_bytes) == ("api.example.com,*.corp.test", 2.5,
+                                                                                1048576)
+    defaults = cli.serve_parser().parse_args([])
+    assert defaults.shutdown_timeout == 5.0 and defaults.allowed_hosts is None
+    assert default_allowed_hosts(defaults.host) == []  # loopback: IP literals and localhost only
