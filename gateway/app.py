@@ -19,7 +19,8 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from audio.stage import AudioStage
-from gateway import handshake, http_api, tools
+from gateway import handshake, http_api, logs, tools
+from gateway.guard import HostOriginGuard
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.realtime.conversation import PromptRenderer
 from gateway.realtime.session import RealtimeSession, SessionLimits
@@ -36,6 +37,7 @@ class Settings:
     engine_args: dict = field(default_factory=dict)
     api_key: str | None = None
     allowed_origins: list[str] | None = None
+    allowed_hosts: list[str] | None = None  # names besides IP literals and localhost (gateway/guard.py)
     limits: SessionLimits = field(default_factory=SessionLimits)
     public_url: str | None = None  # printed in the ready message
     audio: bool = True  # the audio stage (VAD, Whisper, TTS); False answers audio events with audio_unavailable
@@ -79,11 +81,7 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
     ]
     if WEB_DEMO_DIR.is_dir():
         routes.append(Mount("/", app=StaticFiles(directory=WEB_DEMO_DIR, html=True), name="web_demo"))
-    middleware = []
-    if settings.allowed_origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
-                                     allow_headers=["*"]))
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app = Starlette(routes=routes, middleware=_middleware(settings), lifespan=lifespan)
     app.state.settings = settings
     app.state.started = int(time.time())
     app.state.engine = None
@@ -95,6 +93,29 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
     if engine is not None:
         _attach(app, engine)
     return app
+
+
+def _middleware(settings: Settings) -> list[Middleware]:
+    """Host and Origin checks outermost (a refused request reaches nothing), then CORS headers for the listed
+    origins only."""
+    logs.install()
+    middleware = [Middleware(HostOriginGuard, allowed_hosts=settings.allowed_hosts,
+                             allowed_origins=settings.allowed_origins)]
+    if settings.allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                                     allow_headers=["*"]))
+    return middleware
+
+
+async def drain(app: Starlette, timeout: float) -> None:
+    """Shutdown, before the server closes the sockets: every Realtime response in flight ends with `response.done`
+    (cancelled) and the events queued are written, within `timeout` in all."""
+    sessions = list(app.state.sessions.values())
+    if sessions:
+        tasks = [asyncio.create_task(s.drain()) for s in sessions]
+        await asyncio.wait(tasks, timeout=timeout)
+        for task in tasks:  # a client that stopped reading is cut by the close that follows
+            task.cancel()
 
 
 def _attach(app: Starlette, engine) -> None:
@@ -154,6 +175,9 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
     if hs.reject is not None:
         status, message = hs.reject
         code = {401: "invalid_api_key", 403: "origin_not_allowed"}.get(status, "model_loading")
+        client = websocket.client
+        log.info("refused WebSocket %s from %s: %s %s", websocket.url.path,
+                 f"{client.host}:{client.port}" if client else "-", status, message)
         body = {"error": {"message": message, "type": "invalid_request_error", "code": code, "param": None}}
         if "websocket.http.response" in websocket.scope.get("extensions", {}):
             await websocket.send_denial_response(JSONResponse(body, status_code=status))

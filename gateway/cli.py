@@ -7,6 +7,7 @@ This module therefore imports nothing heavy at import time (`kernels` pulls in t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import socket
 import sys
@@ -61,7 +62,14 @@ def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
                     help="require this key (Bearer header, openai-insecure-api-key. subprotocol or ?api-key=); "
                          "default: $RTSERVE_API_KEY, else no key")
     ap.add_argument("--allowed-origins", default=None,
-                    help="comma-separated browser origins allowed besides same-origin pages ('*' for any)")
+                    help="comma-separated browser origins allowed besides same-origin pages ('*' for any); "
+                         "a request from any other page is refused (HTTP and WebSocket)")
+    ap.add_argument("--allowed-hosts", default=None,
+                    help="comma-separated Host names accepted besides IP addresses, localhost and the --host name "
+                         "('*.example.com' for subdomains, '*' for any): guards against DNS rebinding")
+    ap.add_argument("--shutdown-timeout", type=float, default=5.0,
+                    help="seconds a shutdown (SIGTERM) waits: Realtime responses in flight end with response.done "
+                         "(cancelled), HTTP streams get this long to finish (default 5)")
     ap.add_argument("--kv-cache-memory", default=None, help='KV cache size, bytes or e.g. "2GiB" (engine default 1GiB)')
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="most requests running at once (engine default 64)")
@@ -97,6 +105,9 @@ def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--max-request-bytes", type=int, default=None,
                     help="largest HTTP API request body in bytes; larger ones get a 413 before they are read "
                          "(default 4 MiB)")
+    ap.add_argument("--send-queue-max-bytes", type=int, default=None,
+                    help="outgoing bytes buffered per connection before a stalled client is disconnected "
+                         "(default 32 MiB)")
     ap.add_argument("--no-audio", action="store_true",
                     help="text only: no VAD/Whisper/TTS (audio events answer audio_unavailable)")
     ap.add_argument("--ws-compression", action="store_true",
@@ -238,26 +249,60 @@ def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
 
     import uvicorn
 
-    from gateway.app import WS_MAX_SIZE, Settings, create_app
+    from gateway import logs
+    from gateway.app import WS_MAX_SIZE, Settings, create_app, drain
+    from gateway.guard import default_allowed_hosts
     from gateway.realtime.session import SessionLimits
     from kernels import settings as env
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logs.install()
     limits = SessionLimits()
     if ns.send_queue_max:
         limits.send_queue_max = ns.send_queue_max
+    if ns.send_queue_max_bytes:
+        limits.send_queue_max_bytes = ns.send_queue_max_bytes
     origins = [o.strip().rstrip("/") for o in ns.allowed_origins.split(",") if o.strip()] if ns.allowed_origins \
         else None
+    hosts = default_allowed_hosts(ns.host) + [h.strip() for h in (ns.allowed_hosts or "").split(",") if h.strip()]
     settings = Settings(model=ns.model, engine_args=args, api_key=ns.api_key or env.raw("RTSERVE_API_KEY") or None,
-                        allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{sock.getsockname()[1]}",
+                        allowed_origins=origins, allowed_hosts=hosts, limits=limits,
+                        public_url=f"http://{ns.host}:{sock.getsockname()[1]}",
                         audio=not ns.no_audio, chat_template=ns.chat_template,
                         tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice)
     if ns.max_request_bytes:
         settings.max_request_bytes = ns.max_request_bytes
-    config = uvicorn.Config(create_app(settings), ws_max_size=WS_MAX_SIZE, ws_per_message_deflate=ns.ws_compression,
-                            log_level=ns.uvicorn_log_level or ns.log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    app = create_app(settings)
+    config = uvicorn.Config(app, ws_max_size=WS_MAX_SIZE, ws_per_message_deflate=ns.ws_compression,
+                            log_level=ns.uvicorn_log_level or ns.log_level,
+                            timeout_graceful_shutdown=ns.shutdown_timeout)
+    _draining_server()(config, lambda: drain(app, ns.shutdown_timeout)).run(sockets=[sock])
     return 0
+
+
+def _draining_server():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, which on shutdown closes every WebSocket at once (1012): first stop accepting, then let
+        the app end its Realtime responses (`drain`), then uvicorn's own shutdown (HTTP requests get the rest of the
+        timeout to finish)."""
+
+        def __init__(self, config, drain_app) -> None:
+            super().__init__(config)
+            self.drain_app = drain_app
+
+        async def shutdown(self, sockets=None) -> None:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            for server in self.servers:
+                server.close()
+            await self.drain_app()
+            self.config.timeout_graceful_shutdown = max(0.1, (self.config.timeout_graceful_shutdown or 0)
+                                                        - (loop.time() - start))
+            await super().shutdown(sockets)
+
+    return DrainingServer
 
 
 def bench(name: str, argv: list[str]) -> int:

@@ -36,6 +36,14 @@ log = logging.getLogger("rtserve.session")
 REALTIME_PRIORITY = 0  # realtime turns run before HTTP batch requests (priority 1)
 
 
+# The cancel reasons the OpenAI SDKs know; a response cut for another reason (a server shutdown) reports none.
+CANCEL_REASONS = ("client_cancelled", "turn_detected")
+
+
+def cancelled_details(reason: str | None) -> dict:
+    return {"type": "cancelled", "reason": reason if reason in CANCEL_REASONS else None}
+
+
 @dataclass(slots=True)
 class ActiveResponse:
     id: str
@@ -281,7 +289,7 @@ class ResponseRunner:
             if resp.cancel_reason is None:  # the session is closing: nobody to tell
                 raise
             resp.status = "cancelled"
-            resp.status_details = {"type": "cancelled", "reason": resp.cancel_reason}
+            resp.status_details = cancelled_details(resp.cancel_reason)
         except (PromptTooLongError, InvalidRequestError) as exc:
             resp.status = "failed"
             resp.status_details = {"type": "failed", "error": {"type": "invalid_request_error",

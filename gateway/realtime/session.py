@@ -28,22 +28,31 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from audio.stage import AudioStage
 from gateway.handshake import Handshake
 from gateway.metrics import Metrics
+from gateway.realtime import limits as lim
 from gateway.realtime import protocol as p
 from gateway.realtime import session_config as sc
 from gateway.realtime.audio_in import AudioInput, Span
 from gateway.realtime.audio_out import AudioOutput
 from gateway.realtime.conversation import Conversation, Item, PromptRenderer, parse_item, truncate_part
-from gateway.realtime.response import ActiveResponse, PromptHistory, ResponseRunner
+from gateway.realtime.response import ActiveResponse, PromptHistory, ResponseRunner, cancelled_details
 from gateway.realtime.speculation import SPECULATE_AFTER_MS, Speculation
 
 log = logging.getLogger("rtserve.session")
 
 
+SHUTDOWN = "server_shutdown"  # the cancel reason of responses cut by a server shutdown
+
+
 @dataclass(slots=True)
 class SessionLimits:
     send_queue_max: int = 4096  # outgoing frames buffered per connection before the client counts as stalled
+    # ... and their bytes: a few large frames (retrieves of big items) must not pile up either
+    send_queue_max_bytes: int = 32 * 1024 * 1024
     send_timeout_s: float = 20.0  # one frame blocked this long on the socket → disconnect
     max_output_tokens: int = 4096
+    max_item_bytes: int = lim.MAX_ITEM_BYTES
+    max_conversation_items: int = lim.MAX_CONVERSATION_ITEMS
+    max_conversation_bytes: int = lim.MAX_CONVERSATION_BYTES
 
 
 class RealtimeSession:
@@ -69,6 +78,8 @@ class RealtimeSession:
         self.closed = asyncio.Event()
         self.close_reason: str | None = None
         self._queue: asyncio.Queue[str | None] = asyncio.Queue(self.limits.send_queue_max)
+        self._queued_bytes = 0  # characters of the frames in `_queue` (JSON: nearly all one byte each)
+        self.draining = False  # the server is shutting down: no new response starts
 
     @property
     def transcribe_only(self) -> bool:
@@ -123,14 +134,22 @@ class RealtimeSession:
         event = p.to_dialect({"event_id": p.new_id("event"), **event}, self.dialect)
         if event is None:
             return
+        frame = p.dumps(event)
+        if self._queued_bytes and self._queued_bytes + len(frame) > self.limits.send_queue_max_bytes:
+            # (an empty queue takes any one frame: the bound is the cap plus one event)
+            self.close(f"client not reading: {self._queued_bytes + len(frame)} bytes queued")
+            return
         try:
-            self._queue.put_nowait(p.dumps(event))
+            self._queue.put_nowait(frame)
         except asyncio.QueueFull:
             self.close(f"client not reading: {self.limits.send_queue_max} events queued")
+            return
+        self._queued_bytes += len(frame)
 
     async def _writer(self) -> None:
         while not self.closed.is_set():  # also the exit when a cancel was swallowed by a send finishing at once
             frame = await self._queue.get()
+            self._queued_bytes -= len(frame)
             try:
                 await asyncio.wait_for(self.ws.send_text(frame), self.limits.send_timeout_s)
             except asyncio.TimeoutError:
@@ -139,6 +158,25 @@ class RealtimeSession:
             except (WebSocketDisconnect, RuntimeError, OSError):
                 self.close("client closed")
                 return
+            finally:
+                self._queue.task_done()
+
+    async def drain(self) -> None:
+        """Server shutdown: the response in flight ends with `response.done` (cancelled), and everything queued is
+        written, before the server closes the socket. Returns early if the client goes away."""
+        self.draining = True
+        resp = self.active
+        if resp is not None:
+            self.cancel_response(SHUTDOWN)  # (a no-op when the client cancelled it already: its done is coming)
+            if resp.task is not None:
+                await asyncio.wait({resp.task})
+        flushed = asyncio.create_task(self._queue.join())
+        closed = asyncio.create_task(self.closed.wait())
+        try:
+            await asyncio.wait({flushed, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            flushed.cancel()
+            closed.cancel()
 
     # --------------------------------------------------------------------------------------------- incoming
     async def _reader(self) -> None:
@@ -183,6 +221,7 @@ class RealtimeSession:
         raw = p.get_dict(event, "item", "item", required=True)
         previous = p.get_str(event, "previous_item_id", "previous_item_id", nullable=True)
         item = parse_item(raw, "item")
+        self._check_room(item, "item")
         if not self._check_audio_parts(item):
             self.add_item(item, previous)
             return
@@ -255,6 +294,8 @@ class RealtimeSession:
             raise p.ProtocolError(f"Conversation already has an active response in progress: {self.active.id}. "
                                   "Wait until the response is finished before creating a new one.",
                                   "conversation_already_has_active_response", None)
+        if self.draining:
+            raise p.ProtocolError("The server is shutting down.", "server_shutting_down", None, "server_error")
         if self.transcribe_only:
             raise p.ProtocolError("This is a transcription session (intent=transcription or session.type "
                                   "\"transcription\"): it transcribes input audio and creates no responses.",
@@ -343,7 +384,7 @@ class RealtimeSession:
         self.add_item(item)
 
     def turn_ended(self, create_response: bool) -> None:
-        if create_response and not self.transcribe_only and self.active is None:
+        if create_response and not self.transcribe_only and self.active is None and not self.draining:
             self.start_response(None)
         else:
             self.speculation.drop_reply()
@@ -385,7 +426,7 @@ class RealtimeSession:
         resp.task.cancel()
         if not resp.started:  # cancelled in the same batch of events as its response.create
             resp.status = "cancelled"
-            resp.status_details = {"type": "cancelled", "reason": reason}
+            resp.status_details = cancelled_details(reason)
             self.responses.finish(resp, None, None, [], 0, 0)
             self._response_over(resp)
         return True
@@ -424,6 +465,12 @@ class RealtimeSession:
             needs = True
         return needs
 
+    def _check_room(self, item: Item, param: str) -> None:
+        """The memory caps on what a client stores: one item, and the whole conversation (realtime/limits.py)."""
+        size = lim.check_item(item, param, self.limits.max_item_bytes)
+        lim.check_room(self.conversation, size, param, self.limits.max_conversation_items,
+                       self.limits.max_conversation_bytes)
+
     def _check_not_generating(self, item_id: str) -> None:
         if self.active is not None and self.active.item is not None and self.active.item.id == item_id:
             raise p.ProtocolError(f"Item {item_id} is still being generated.", "item_in_progress", "item_id")
@@ -436,6 +483,7 @@ class RealtimeSession:
                                                    f"response.input[{i}].id"))
             else:
                 item = parse_item(raw, f"response.input[{i}]")
+                lim.check_item(item, f"response.input[{i}]", self.limits.max_item_bytes)
                 if self._check_audio_parts(item, f"response.input[{i}]"):
                     raise p.ProtocolError("input_audio in response.input needs a `transcript`; send the audio with "
                                           "conversation.item.create first.", "invalid_value",

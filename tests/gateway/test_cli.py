@@ -145,3 +145,16 @@ def test_bench_help_lists_every_benchmark(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "no_such_bench"])
     assert exit_info.value.code == 2 and "no_such_bench" in capsys.readouterr().err
+
+
+def test_security_and_limit_flags():
+    from gateway import cli
+    from gateway.guard import default_allowed_hosts
+
+    ns = cli.serve_parser().parse_args(["--allowed-hosts", "api.example.com,*.corp.test", "--shutdown-timeout", "2.5",
+                                        "--send-queue-max-bytes", "1048576"])
+    assert (ns.allowed_hosts, ns.shutdown_timeout, ns.send_queue_max_bytes) == ("api.example.com,*.corp.test", 2.5,
+                                                                                1048576)
+    defaults = cli.serve_parser().parse_args([])
+    assert defaults.shutdown_timeout == 5.0 and defaults.allowed_hosts is None
+    assert default_allowed_hosts(defaults.host) == []  # loopback: IP literals and localhost only

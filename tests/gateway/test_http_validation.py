@@ -243,7 +243,7 @@ async def test_body_over_the_cap_is_413(server):
     from gateway.app import Settings, create_app
 
     small = create_app(Settings(audio=False, max_request_bytes=1024), engine=server.engine)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=small), base_url="http://t") as h:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=small), base_url="http://127.0.0.1") as h:
         r = await h.post("/v1/completions", json={"model": "x", "prompt": "a" * 1024, "max_tokens": 1})
         assert r.status_code == 413 and "1024 bytes" in r.json()["error"]["message"], r.text
     after = await server.wait_idle(pinned_ok=True)
