@@ -364,6 +364,7 @@ class LLMEngine:
         s.update(requests_running=len(self.scheduler.running), requests_waiting=self.scheduler.num_waiting,
                  generated_tokens_total=self.generated_tokens_total, prompt_tokens_total=self.prompt_tokens_total,
                  num_steps=self.num_steps, num_preemptions=self.scheduler.num_preemptions,
+                 inflight_prefix_waits=self.scheduler.num_deferred_admissions,
                  structured_requests=self.structured.num_active,
                  structured_mask_steps=self.structured.mask_steps,
                  structured_mask_s=self.structured.mask_seconds)

@@ -24,6 +24,16 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-itl-ms", type=float, default=250.0,
+                    help="target inter-token gap of running streams: steps that carry prefill are sized to it from "
+                         "the measured cost per token (default 250; 0: off, every step may batch "
+                         "--max-num-batched-tokens)")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=128,
+                    help="prefill tokens any one request gets per step while another has prefill work too "
+                         "(default 128; 0: no cap)")
+    ap.add_argument("--no-share-inflight-prefixes", action="store_true",
+                    help="requests that arrive together with the same uncached prefix each compute it (default: the "
+                         "later ones wait for the first one's blocks and hit the prefix cache)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="tokens per prefix-cache block (engine default 16)")
     ap.add_argument("--page-size", type=int, default=None,
@@ -56,10 +66,15 @@ def engine_args(ns: argparse.Namespace) -> dict:
     """CLI flags → AsyncEngine keyword arguments (only those given, so the engine's defaults stay the defaults)."""
     args = {key: getattr(ns, key) for key in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
                                               "max_model_len", "block_size", "page_size", "dtype", "attention_backend",
-                                              "pinned_blocks_fraction", "device", "num_threads", "quantization")
+                                              "pinned_blocks_fraction", "device", "num_threads", "quantization",
+                                              "max_itl_ms", "long_prefill_token_threshold")
             if getattr(ns, key) is not None}
     if ns.no_prefix_caching:
         args["enable_prefix_caching"] = False
+    if ns.no_share_inflight_prefixes:
+        args["share_inflight_prefixes"] = False
+    if args.get("max_itl_ms") == 0:
+        args["max_itl_ms"] = None
     if ns.enforce_eager:
         args["enforce_eager"] = True
     if ns.quantization is None:   # the embedded model is a Q4_1 GGUF: its own blocks make small-batch decode fast
