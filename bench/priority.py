@@ -3,7 +3,8 @@
     rtserve bench priority --background-tokens 3000 --reps 5
 
 Loads the engine in the server's configuration (bf16 on the embedded GGUF's blocks, and the `rtserve serve` defaults
-of the scheduling flags where this checkout has them: --max-itl-ms 250, --long-prefill-token-threshold 128). Each rep
+of the scheduling flags where this checkout has them: --long-prefill-token-threshold 128; pass
+--engine-args max_itl_ms=250.0 for a latency target, inactive here anyway: no stream is decoding). Each rep
 submits a ~N-token prompt at priority 1 (HTTP), waits until it is mid-prefill, then submits a short turn at priority 0
 (Realtime) and measures the time to its first token; then the background prompt is aborted. Every rep uses prompts of
 its own, so nothing hits the prefix cache. Also reports the turn's TTFT with no background load.
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     known = {f.name for f in fields(EngineArgs)}
     kwargs = dict(dtype="bfloat16", quantization="gguf")
-    kwargs.update({k: v for k, v in (("max_itl_ms", 250.0), ("long_prefill_token_threshold", 128)) if k in known})
+    kwargs.update({k: v for k, v in (("long_prefill_token_threshold", 128),) if k in known})
     for kv in filter(None, args.engine_args.split(",")):
         k, v = kv.split("=")
         kwargs[k] = None if v == "None" else float(v) if "." in v else int(v)

@@ -24,10 +24,10 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--max-itl-ms", type=float, default=250.0,
-                    help="target inter-token gap of running streams: steps that carry prefill are sized to it from "
-                         "the measured cost per token (default 250; 0: off, every step may batch "
-                         "--max-num-batched-tokens)")
+    ap.add_argument("--max-itl-ms", type=float, default=0.0,
+                    help="target inter-token gap of running streams, e.g. 250: steps that carry prefill are sized to "
+                         "it from the measured cost per token, at a cost in time to first token and throughput under "
+                         "load (docs/benchmarks.md). Default 0: off, every step may batch --max-num-batched-tokens")
     ap.add_argument("--long-prefill-token-threshold", type=int, default=128,
                     help="prefill tokens any one request gets per step while another has prefill work too "
                          "(default 128; 0: no cap)")
