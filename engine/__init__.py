@@ -1,6 +1,7 @@
 """rtserve's inference engine: paged KV cache, continuous batching, prefix caching (see docs/engine-api.md)."""
 from engine.config import EngineArgs, parse_size
-from engine.errors import EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from engine.errors import (EngineDeadError, EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError,
+                           RequestFailedError)
 from engine.llm_engine import LLM, CompletionOutput, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -14,4 +15,5 @@ def __getattr__(name):
 
 __all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput",
            "StructuredOutputsParams",
-           "EngineError", "InvalidRequestError", "ModelLoadError", "PromptTooLongError", "parse_size"]
+           "EngineError", "InvalidRequestError", "ModelLoadError", "PromptTooLongError", "EngineDeadError",
+           "RequestFailedError", "parse_size"]

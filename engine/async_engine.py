@@ -3,20 +3,27 @@
 Model compute never runs on the event loop. Requests enter through a thread-safe command queue; each step's outputs go
 back to each consumer's asyncio.Queue with one `call_soon_threadsafe` per event loop per step. Leaving the `async for`
 early (break, cancel, disconnect) aborts the request, which frees its blocks at the next step.
+
+Faults: a request the step failed on its own account (LLMEngine.step isolates it) raises RequestFailedError in its
+consumer only; everyone else goes on. A step fault that cannot be pinned on a request stops the engine: every consumer
+gets EngineDeadError, new requests are refused, and `healthy` / `error` say so (the gateway's /health answers 503).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from collections import defaultdict
 from typing import AsyncIterator
 
 import kernels
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, RequestFailedError
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+log = logging.getLogger("rtserve.engine")
 
 
 class AsyncEngine:
@@ -40,10 +47,10 @@ class AsyncEngine:
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
                        session_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        if self._stopped:
-            raise EngineDeadError(f"engine is not running: {self._error or 'shut down'}")
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error or 'shut down'}")
         request_id = request_id or f"areq-{next(self._ids)}"
-        self.engine.validate(list(prompt_token_ids), params)     # raises before the first yield
+        self.engine.validate(list(prompt_token_ids), params, cache_salt)     # raises before the first yield
         if params.structured_outputs is not None:
             # compile (or hit the cache) on a worker thread: a bad spec raises here, and a slow schema never stalls
             # the engine thread, whose add_request then finds the grammar cached
@@ -54,6 +61,8 @@ class AsyncEngine:
         self._submit(("add", request_id, list(prompt_token_ids), params, priority, cache_salt, session_id))
         finished = False
         try:
+            if not self.healthy:     # it stopped while this stream was being registered: nobody may answer
+                raise EngineDeadError(f"engine is not running: {self.error or 'shut down'}")
             while True:
                 out = await q.get()
                 if isinstance(out, BaseException):
@@ -77,6 +86,16 @@ class AsyncEngine:
 
     def release_session(self, session_id: str) -> None:
         self._submit(("release", session_id))
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine stopped: shut down, or a step fault that no request could be blamed for."""
+        return not self._stopped and self._error is None
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine stopped on a fault (None while healthy or after a clean shutdown)."""
+        return None if self._error is None else f"engine step failed: {self._error!r}"
 
     def stats(self) -> dict:
         """Engine counters as of the last step or command the engine thread handled."""
@@ -142,17 +161,19 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as e:                    # a bug must not hang every consumer: fail what is in flight
+            except Exception as e:                    # not pinned on any request: the engine cannot serve on
+                log.exception("engine step failed and no request could be blamed; the engine stops")
                 self._error = e
                 failed = list(self.engine.requests)
                 for rid in failed:
                     self.engine.abort_request(rid)
-                self._deliver([(rid, EngineDeadError(f"engine step failed: {e!r}")) for rid in failed])
-                continue
+                self._deliver([(rid, EngineDeadError(self.error)) for rid in failed])
+                break
             if outputs:
-                self._deliver([(o.request_id, o) for o in outputs])
-        # shutting down: fail whoever still waits
-        self._deliver([(rid, EngineDeadError("engine shut down")) for rid in list(self._streams)])
+                self._deliver([(o.request_id, RequestFailedError(o.error) if o.error else o) for o in outputs])
+        # shutting down (or stopped on a fault): fail whoever still waits
+        why = self.error or "engine shut down"
+        self._deliver([(rid, EngineDeadError(why)) for rid in list(self._streams)])
 
 
 def _put_all(batch) -> None:

@@ -34,6 +34,12 @@ class EngineArgs:
     page_size: int | None = None        # KV slots per page, the unit of memory; None: 4, or less to divide block_size
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # prefill tokens any one request gets per step while another request has prefill work too (0: no cap)
+    long_prefill_token_threshold: int = 0
+    # target inter-token gap of running streams: steps carrying prefill are sized to it (engine/step_budget.py);
+    # None: off, every step may batch max_num_batched_tokens (best throughput, what offline batches want)
+    max_itl_ms: float | None = None
+    share_inflight_prefixes: bool = True   # identical uncached prefixes in flight are computed once (scheduler.py)
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     pinned_blocks_fraction: float = 0.5
@@ -48,6 +54,10 @@ class EngineArgs:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", param=name)
+        if int(self.long_prefill_token_threshold) < 0:
+            raise InvalidRequestError("long_prefill_token_threshold must be >= 0", param="long_prefill_token_threshold")
+        if self.max_itl_ms is not None and not self.max_itl_ms >= 0:
+            raise InvalidRequestError("max_itl_ms must be >= 0 (0 or None: off)", param="max_itl_ms")
         if self.page_size is None:
             self.page_size = math.gcd(self.block_size, DEFAULT_PAGE_SIZE)
         if int(self.page_size) < 1 or self.block_size % self.page_size:

@@ -22,5 +22,10 @@ class ModelLoadError(EngineError):
 
 
 class EngineDeadError(EngineError):
-    """The engine shut down, or a step raised and failed the requests in it (the engine serves on after a failed
-    step)."""
+    """The engine shut down, or stopped on a fault in a step that could not be pinned on any request (then
+    `AsyncEngine.healthy` is False and `AsyncEngine.error` says why)."""
+
+
+class RequestFailedError(EngineError):
+    """An engine step raised on this request's account (its sampling, grammar or detokenization, or a forward pass
+    that fails whenever it is in the batch): it alone was failed, the other requests of the step go on."""

@@ -6,6 +6,7 @@ pin) their blocks. It is synchronous and single-threaded; `AsyncEngine` runs it 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -22,8 +23,20 @@ from engine.models.loader import gguf_source, resolve_model_dir
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.step_budget import StepBudget
 from engine.structured_output import StructuredOutputManager
+
+
+log = logging.getLogger("rtserve.engine")
+
+
+class EngineStepError(RuntimeError):
+    """A step raised and the fault could not be pinned on any request in it: the engine cannot serve on."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault-injection hook (LLMEngine.inject_fault)."""
 
 
 @dataclass(slots=True)
@@ -38,6 +51,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     logprobs: list | None = None
+    error: str | None = None      # finish_reason "error": why the step failed this request
 
 
 @dataclass(slots=True)
@@ -78,7 +92,10 @@ class LLMEngine:
         num_pages = self.runner.num_pages
         self.block_manager = BlockManager(num_pages, args.block_size, args.page_size, args.enable_prefix_caching,
                                           max_pinned_pages=int(num_pages * args.pinned_blocks_fraction))
-        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.step_budget = StepBudget(args.max_num_batched_tokens, args.max_itl_ms)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
+                                   args.long_prefill_token_threshold, self.step_budget,
+                                   args.share_inflight_prefixes)
         self.sampler = Sampler()
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
                                                   max_threads=max(1, min(2, torch.get_num_threads())))
@@ -89,9 +106,16 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.peak_kv_waste = (0, 0)            # (allocated slots, stored tokens) at the step with most allocated slots
         self._ids = itertools.count()
+        self.last_step: SchedulerOutput | None = None     # what the last step scheduled (stats and tests)
+        self.fault_injection: dict[str, str] = {}         # request id -> phase; tests only (inject_fault)
 
     # ---- requests -----------------------------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> None:
+        """Everything a step will touch of this request, checked before it is queued, so that bad input fails the
+        request here and never reaches a step."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}",
+                                      param="cache_salt")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}", param="params")
         params.validate()
@@ -111,7 +135,7 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None, session_id: str | None = None) -> str:
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, cache_salt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
@@ -141,6 +165,10 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. A fault is isolated to the request(s) that cause it (see `_forward`, `_sample` and the output
+        loop): they finish with finish_reason "error" and the rest of the batch goes on. A fault that cannot be pinned
+        on a request raises `EngineStepError`."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         for req in sched.preempted:            # requests the pool can no longer hold at all
@@ -150,39 +178,154 @@ class LLMEngine:
         if not sched.scheduled:
             return outputs
         self.num_steps += 1
+        self.last_step = sched
         self._track_waste()
-        logits, rows = self.runner.execute(sched.scheduled)
-        for s in sched.scheduled:
+        scheduled, logits, rows = self._forward(sched.scheduled, outputs)
+        for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-        sampled_reqs = [sched.scheduled[i].request for i in rows]
-        mask = None
-        if self.structured.num_active:           # unconstrained batches skip the grammar entirely
-            ids = [r.request_id for r in sampled_reqs]
-            mask = lambda lg: self.structured.mask_logits(lg, ids)   # noqa: E731
-        tokens, logprobs = self.sampler(logits, sampled_reqs, mask) if rows else ([], None)
+        sampled_reqs = [scheduled[i].request for i in rows]
+        tokens, logprobs = self._sample(logits, sampled_reqs, outputs)
         now = time.monotonic()
-        for s in sched.scheduled:
-            self.block_manager.cache_full_blocks(s.request)
+        for s in scheduled:
+            if not s.request.status.finished:
+                self.block_manager.cache_full_blocks(s.request)
         for j, req in enumerate(sampled_reqs):
-            tok = tokens[j]
-            req.token_ids.append(tok)
-            self.generated_tokens_total += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            detok = self.detoks[req.request_id]
-            status = self._check_stop(req, tok)
-            if mask is not None and self.structured.accept(req.request_id, tok) and status is None:
-                status = RequestStatus.FINISHED_STOPPED    # the grammar is complete (its stop token was accepted)
-                req.stop_reason = tok
-            delta = "" if status == RequestStatus.FINISHED_STOPPED else detok.add(tok)   # a stop token has no text
-            if detok.stopped_by is not None:
-                status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = detok.stopped_by
-            if status is not None:
-                delta += detok.flush()
-                self._finish(req, status)
-            outputs.append(self._output(req, [tok], delta, logprobs[j] if logprobs else None))
+            if req.status.finished:              # failed in sampling
+                continue
+            try:
+                self._inject("output", [req])
+                outputs.append(self._accept_token(req, tokens[j], logprobs[j] if logprobs else None, now))
+            except Exception as e:               # its detokenizer, stop strings or grammar: its own fault
+                outputs.append(self._fail(req, "output", e))
+        self.step_budget.observe(sched.num_batched_tokens, time.perf_counter() - t0,
+                                 carried_prefill=sched.num_batched_tokens > sched.num_decodes)
         return outputs
+
+    def _accept_token(self, req: Request, tok: int, logprobs, now: float) -> RequestOutput:
+        req.token_ids.append(tok)
+        self.generated_tokens_total += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        detok = self.detoks[req.request_id]
+        status = self._check_stop(req, tok)
+        if req.params.structured_outputs is not None and self.structured.accept(req.request_id, tok) \
+                and status is None:
+            status = RequestStatus.FINISHED_STOPPED    # the grammar is complete (its stop token was accepted)
+            req.stop_reason = tok
+        delta = "" if status == RequestStatus.FINISHED_STOPPED else detok.add(tok)   # a stop token has no text
+        if detok.stopped_by is not None:
+            status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = detok.stopped_by
+        if status is not None:
+            delta += detok.flush()
+            self._finish(req, status)
+        return self._output(req, [tok], delta, logprobs)
+
+    # ---- fault isolation ----------------------------------------------------------------------------------------
+    def _forward(self, batch: list[ScheduledRequest], outputs: list[RequestOutput]
+                 ) -> tuple[list[ScheduledRequest], torch.Tensor, list[int]]:
+        """Run the batch; if the forward raises, bisect it to find the requests that fail even alone, fail those,
+        and return the survivors' logits. Re-running is sound because a forward only writes the KV of the batch's
+        new positions (each request's own pages past its computed tokens, never a cached block) and num_computed_tokens
+        advances only after it returns, so a rerun rewrites the same slots. If no request of the step succeeds, the
+        fault is the engine's, not a request's: EngineStepError."""
+        try:
+            self._inject("forward", [s.request for s in batch])
+            logits, rows = self.runner.execute(batch)
+            return batch, logits, rows
+        except Exception as e:
+            first_error = e
+        done: list[tuple[list[ScheduledRequest], torch.Tensor, list[int]]] = []
+        culprits: list[tuple[Request, BaseException]] = []
+
+        def bisect(part: list[ScheduledRequest]) -> None:
+            try:
+                self._inject("forward", [s.request for s in part])
+                logits, rows = self.runner.execute(part)
+                done.append((part, logits, rows))
+            except Exception as e:
+                if len(part) == 1:
+                    culprits.append((part[0].request, e))
+                else:
+                    bisect(part[:len(part) // 2])
+                    bisect(part[len(part) // 2:])
+
+        if len(batch) > 1:
+            bisect(batch[:len(batch) // 2])
+            bisect(batch[len(batch) // 2:])
+        if not done:
+            raise EngineStepError(f"engine step failed for every request in it: {first_error!r}") from first_error
+        for req, e in culprits:
+            outputs.append(self._fail(req, "forward", e))
+        scheduled: list[ScheduledRequest] = []
+        rows: list[int] = []
+        parts = []
+        for part, logits, part_rows in done:
+            rows.extend(len(scheduled) + i for i in part_rows)
+            scheduled.extend(part)
+            if part_rows:
+                parts.append(logits)
+        logits = torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
+        return scheduled, logits, rows
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], outputs: list[RequestOutput]
+                ) -> tuple[list[int], list | None]:
+        """Sample the batch; if that raises, sample each row alone (with the random generators rewound to where the
+        batch started, so seeded rows draw what they would have drawn) and fail the rows that raise alone. A row's
+        failure here is always its own (its sampling settings or grammar): the forward already succeeded. Failed rows
+        get token -1 and are skipped by the caller (their status is finished)."""
+        if not reqs:
+            return [], None
+        gens = {id(g): g for g in (r.generator or self.sampler.generator for r in reqs if not r.params.greedy)}
+        states = {k: g.get_state() for k, g in gens.items()}
+        try:
+            self._inject("sample", reqs)
+            return self.sampler(logits, reqs, self._grammar_mask(reqs))
+        except Exception:
+            for k, g in gens.items():
+                g.set_state(states[k])
+        tokens: list[int] = []
+        logprobs: list = []
+        for j, req in enumerate(reqs):
+            try:
+                self._inject("sample", [req])
+                tok, lp = self.sampler(logits[j:j + 1], [req], self._grammar_mask([req]))
+                tokens.append(tok[0])
+                logprobs.append(lp[0] if lp else None)
+            except Exception as e:
+                outputs.append(self._fail(req, "sampling", e))
+                tokens.append(-1)
+                logprobs.append(None)
+        return tokens, logprobs if any(lp is not None for lp in logprobs) else None
+
+    def _grammar_mask(self, reqs: list[Request]):
+        if not self.structured.num_active:      # unconstrained batches skip the grammar entirely
+            return None
+        ids = [r.request_id for r in reqs]
+        return lambda lg: self.structured.mask_logits(lg, ids)
+
+    def _fail(self, req: Request, phase: str, exc: BaseException) -> RequestOutput:
+        log.warning("request %s failed in the engine step (%s), the others go on: %r", req.request_id, phase, exc)
+        req.stop_reason = f"engine step failed on this request ({phase}): {exc!r}"
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        out = self._output(req, [], "", None)
+        out.error = req.stop_reason
+        return out
+
+    def inject_fault(self, request_id: str, phase: str) -> None:
+        """FAULT INJECTION, for tests only: from now on, any `phase` ("forward", "sample" or "output") of a step whose
+        batch holds `request_id` raises InjectedFault, exactly as a bug triggered by that request's data would. It
+        exercises the isolation above end to end (scheduler, model, sampler untouched); nothing in the product calls
+        it."""
+        if phase not in ("forward", "sample", "output"):
+            raise ValueError(f"unknown phase {phase!r}")
+        self.fault_injection[request_id] = phase
+
+    def _inject(self, phase: str, reqs: list[Request]) -> None:
+        if self.fault_injection:
+            for r in reqs:
+                if self.fault_injection.get(r.request_id) == phase:
+                    raise InjectedFault(f"injected {phase} fault for request {r.request_id}")
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         if tok in req.stop_token_ids:
@@ -194,7 +337,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.finish_time = time.monotonic()
-        if req.session_id is not None and status != RequestStatus.FINISHED_ABORTED:
+        if req.session_id is not None and status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
             self.block_manager.pin(req.session_id, req)
         self.scheduler.finish(req, status)
         self.structured.remove(req.request_id)
@@ -221,6 +364,7 @@ class LLMEngine:
         s.update(requests_running=len(self.scheduler.running), requests_waiting=self.scheduler.num_waiting,
                  generated_tokens_total=self.generated_tokens_total, prompt_tokens_total=self.prompt_tokens_total,
                  num_steps=self.num_steps, num_preemptions=self.scheduler.num_preemptions,
+                 inflight_prefix_waits=self.scheduler.num_deferred_admissions,
                  structured_requests=self.structured.num_active,
                  structured_mask_steps=self.structured.mask_steps,
                  structured_mask_s=self.structured.mask_seconds)

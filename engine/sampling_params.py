@@ -88,7 +88,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise InvalidRequestError(f"invalid stop: must be a string or a list of strings, got "
+                                      f"{type(self.stop).__name__}", param="stop")
+        self.stop = [s for s in (self.stop or []) if s != ""]
+        if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset, type(None))):
+            raise InvalidRequestError("invalid stop_token_ids: must be a list of integers", param="stop_token_ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
@@ -98,6 +103,23 @@ class SamplingParams:
         def bad(param: str, why: str):
             raise InvalidRequestError(f"invalid {param}: {why}", param=param)
 
+        for name in ("max_tokens", "top_k"):             # ints the sampler puts in int64 tensors
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not -2**31 < v < 2**31:
+                bad(name, f"must be an integer below 2**31, got {v!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+                bad(name, f"must be a number, got {v!r}")
+        if not all(isinstance(s, str) for s in self.stop):
+            bad("stop", "must be a string or a list of strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of integers")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed < 2**64):
+            bad("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)):
+            bad("logprobs", f"must be an integer, got {self.logprobs!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -115,8 +137,6 @@ class SamplingParams:
                 bad(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", f"must be StructuredOutputsParams, got "

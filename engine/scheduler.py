@@ -1,11 +1,26 @@
-"""vLLM-v1-style scheduler: no prefill or decode phases.
+"""vLLM-v1-style scheduler: no prefill or decode phases, one rule for the step's token budget.
 
-Each request simply wants `num_tokens - num_computed_tokens` more tokens computed. Every step hands out up to
-`max_num_batched_tokens` of them: first to running requests (a decode costs 1, a long prompt is chunked to what is left of
-the budget), then to waiting requests, best priority first, while KV pages and `max_num_seqs` allow. Chunked prefill, prefix
-hits and decodes all fall out of that one rule. When pages run out, the lowest-priority (then newest) running request is
-preempted: its pages are freed and it is recomputed later from its tokens (prompt + output so far), so it resumes with the
-same tokens.
+Each request simply wants `num_tokens - num_computed_tokens` more tokens computed. A step's budget (up to
+`max_num_batched_tokens`, smaller when `StepBudget` keeps running streams under their `max_itl_ms` target) is handed
+out by one rule:
+
+1. every running decode (1 token each) first, best priority first: a stream that is generating never waits behind a
+   prompt;
+2. then prefill work, running chunks and waiting prompts alike, in (priority, arrival) order: a waiting priority-0
+   request is scheduled before a running priority-1 request's next prefill chunk, so a long HTTP prompt is chunked
+   around Realtime work, and within a priority it is first come, first served;
+3. while more than one request has prefill work, no request gets more than `long_prefill_token_threshold` prefill
+   tokens in one step (vLLM's knob of that name), so one huge prompt does not own the engine.
+
+Waiting requests are admitted while KV pages and `max_num_seqs` allow, and only in steps that preempted nothing (a
+preemption means memory pressure). When a running request's pages run out, the worst running request (lowest priority,
+then newest) is preempted, even one already scheduled in this step: its pages are freed and it is recomputed later from
+its tokens (prompt + output so far), so it resumes with the same tokens.
+
+Identical prefixes in flight are computed once: a waiting request whose first uncached block is being computed right
+now by a running request (same chained block hash, so same tokens and cache salt) of no lower priority, or by a waiting
+request ahead of it in this step, waits; once those blocks are computed they are in the prefix cache and it hits them.
+It waits only for the blocks they share: where the prompts differ the hashes differ and it goes its own way.
 """
 from __future__ import annotations
 
@@ -15,6 +30,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
+from engine.step_budget import StepBudget
 
 
 @dataclass(slots=True)
@@ -33,17 +49,26 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    num_decodes: int = 0              # running streams that got their one token in this step
+    token_budget: int = 0             # what the step was allowed to batch
+    num_deferred: int = 0             # waiting requests that wait for a shared prefix in flight
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int = 0, step_budget: StepBudget | None = None,
+                 share_inflight_prefixes: bool = True):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.step_budget = step_budget or StepBudget(max_num_batched_tokens)
+        self.share_inflight_prefixes = share_inflight_prefixes
         self.waiting: list[tuple[int, float, int, Request]] = []    # heap by (priority, arrival)
         self.running: list[Request] = []
         self._seq = itertools.count()
         self.num_preemptions = 0
+        self.num_deferred_admissions = 0      # times a waiting request waited for a prefix in flight
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -58,60 +83,120 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         bm = self.block_manager
-
-        # 1. running requests, best priority first; preempt from the worst end when pages run out
         self.running.sort(key=lambda r: r.sort_key)
-        scheduled_ids: set[int] = set()
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not bm.allocate_slots(req, num_new):
-                victim = self.running[-1]
-                if victim is req and len(self.running) == 1:
-                    # alone and still no room: the pool cannot hold this request any longer
-                    req.status = RequestStatus.FINISHED_LENGTH
-                    req.stop_reason = "kv_cache_full"
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        out.token_budget = self.step_budget.tokens(len(decodes))
+
+        # 1. decodes
+        for req in decodes:
+            if out.num_batched_tokens >= out.token_budget:
+                break
+            if req in self.running and self._allocate_or_preempt(req, 1, out):
+                self._schedule(req, 1, out)
+
+        # 2. prefill work, running chunks and waiting prompts, by (priority, arrival)
+        candidates: list[tuple[tuple[int, float, int], Request]] = [
+            ((r.priority, r.arrival_time, 0), r) for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        followers = self._followers(candidates, out)
+        candidates.extend(((p, t, seq), r) for p, t, seq, r in self.waiting
+                          if not r.status.finished and id(r) not in followers)
+        candidates.sort(key=lambda c: c[0])
+        threshold = self.long_prefill_token_threshold
+        cap = threshold if threshold > 0 and len(candidates) > 1 else out.token_budget
+        admitted: set[int] = set()                        # seq numbers of the waiting entries admitted
+        admitting = not out.preempted
+        for key, req in candidates:
+            budget = min(out.token_budget - out.num_batched_tokens, cap)
+            if budget <= 0:
+                if out.num_batched_tokens >= out.token_budget:
                     break
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append(ScheduledRequest(req, num_new))
-                scheduled_ids.add(id(req))
-                budget -= num_new
-                i += 1
                 continue
-            if req.status.finished:
-                out.preempted.append(req)       # surfaced to the engine, which finishes it and frees its pages
-                self.running.remove(req)
-            # req was preempted (or finished); the list shrank, so i now points at the next one
-        # 2. waiting requests, if nothing was preempted this step (preemption means memory pressure)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            *_, req = self.waiting[0]
-            if req.status.finished:                 # aborted while waiting
-                heapq.heappop(self.waiting)
+            if req.status == RequestStatus.RUNNING:
+                if req not in self.running:               # preempted as a victim earlier in this step
+                    continue
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if self._allocate_or_preempt(req, num_new, out):
+                    self._schedule(req, num_new, out)
+                    admitting = admitting and not out.preempted
+                continue
+            if not admitting or len(self.running) >= self.max_num_seqs:
                 continue
             cached = bm.find_cached_pages(req)
             num_cached = len(cached) * bm.page_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not bm.allocate_slots(req, num_new, cached):
-                break
-            heapq.heappop(self.waiting)
+                admitting = False                          # no room: later (worse) requests wait as well
+                continue
+            admitted.add(key[2])
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
                 bm.record_prefix_query(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new))
-            budget -= num_new
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
+            self._schedule(req, num_new, out)
+
+        decode_ids = {id(r) for r in decodes}
+        out.num_decodes = sum(1 for s in out.scheduled if id(s.request) in decode_ids)
+        # admitted and aborted requests leave the waiting heap (requests preempted in this step were pushed onto it)
+        if admitted or any(r.status.finished for *_, r in self.waiting):
+            self.waiting = [e for e in self.waiting if e[2] not in admitted and not e[3].status.finished]
+            heapq.heapify(self.waiting)
         return out
 
+    def _followers(self, running_prefills: list, out: SchedulerOutput) -> set[int]:
+        """Waiting requests whose first uncached block is being computed by a request ahead of them: they wait for it
+        and then hit the prefix cache, instead of computing the same blocks at the same time."""
+        bm = self.block_manager
+        if not (self.share_inflight_prefixes and bm.enable_prefix_caching) or not self.waiting:
+            return set()
+        bs = bm.block_size
+        in_flight: dict[int, int] = {}                    # block hash -> best priority of a request computing it
+        for r in self.running:
+            for h in r.block_hashes[r.num_computed_tokens // bs:]:
+                in_flight[h] = min(in_flight.get(h, r.priority), r.priority)
+        followers: set[int] = set()
+        for p, _, _, req in sorted(self.waiting):
+            if req.status.finished:
+                continue
+            first = len(bm.find_cached_pages(req)) // bm.pages_per_block   # index of its first uncached block
+            if first < (req.num_tokens - 1) // bs and in_flight.get(req.block_hashes[first], p + 1) <= p:
+                followers.add(id(req))
+                continue
+            for h in req.block_hashes[first:]:            # what it will compute if admitted in this step
+                in_flight[h] = min(in_flight.get(h, p), p)
+        out.num_deferred = len(followers)
+        self.num_deferred_admissions += len(followers)
+        return followers
+
+    def _schedule(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+        out.scheduled.append(ScheduledRequest(req, num_new))
+        out.num_batched_tokens += num_new
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Pages for req's next num_new tokens, preempting the worst running requests until they fit. False when req
+        itself was preempted, or finished because the pool cannot hold it even alone."""
+        while not self.block_manager.allocate_slots(req, num_new):
+            victim = max(self.running, key=lambda r: r.sort_key)
+            if victim is req and len(self.running) == 1:
+                # alone and still no room: the pool cannot hold this request any longer
+                req.status = RequestStatus.FINISHED_LENGTH
+                req.stop_reason = "kv_cache_full"
+                self.running.remove(req)
+                out.preempted.append(req)       # surfaced to the engine, which finishes it and frees its pages
+                return False
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        for i, s in enumerate(out.scheduled):  # scheduled earlier in this step: its tokens go back to the budget
+            if s.request is req:
+                out.num_batched_tokens -= s.num_new_tokens
+                del out.scheduled[i]
+                break
         self.running.remove(req)
         self.block_manager.free(req)
         req.num_computed_tokens = 0

@@ -25,6 +25,8 @@ BENCHMARKS = {
              "audio, playback gaps (starts its own server, or measures --url)",
     "tts": "many replies starting to speak at once on the shared TTS worker: first audio, whole clause, worst "
            "playback gap; streamed synthesis against piper's whole-clause way",
+    "priority": "a Realtime-priority turn's time to first token while a long HTTP-priority prompt is in flight, on "
+                "the engine alone",
     "structured_libs": "xgrammar (the engine's grammar library) against llguidance and outlines-core on the engine's "
                        "tokenizer: grammar compile time and token-mask time per decode step",
 }
@@ -33,7 +35,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # CLI flag -> engine argument; only the flags a user gives are passed, so the engine's defaults stay the defaults
 ENGINE_FLAGS = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                 "page_size", "dtype", "attention_backend", "pinned_blocks_fraction", "device", "num_threads",
-                "quantization")
+                "quantization", "max_itl_ms", "long_prefill_token_threshold")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -78,6 +80,16 @@ def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
                          "512)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="longest prompt + output in tokens (default: the model's context length)")
+    ap.add_argument("--max-itl-ms", type=float, default=0.0,
+                    help="target inter-token gap of running streams, e.g. 250: steps that carry prefill are sized to "
+                         "it from the measured cost per token, at a cost in time to first token and throughput under "
+                         "load (docs/benchmarks.md). Default 0: off, every step may batch --max-num-batched-tokens")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=128,
+                    help="prefill tokens any one request gets per step while another has prefill work too "
+                         "(default 128; 0: no cap)")
+    ap.add_argument("--no-share-inflight-prefixes", action="store_true",
+                    help="requests that arrive together with the same uncached prefix each compute it (default: the "
+                         "later ones wait for the first one's blocks and hit the prefix cache)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="tokens per prefix-cache block (engine default 16)")
     ap.add_argument("--page-size", type=int, default=None,
@@ -159,6 +171,10 @@ def engine_args(ns: argparse.Namespace) -> dict:
         args["dtype"] = "bfloat16"
     if not ns.enable_prefix_caching:
         args["enable_prefix_caching"] = False
+    if ns.no_share_inflight_prefixes:
+        args["share_inflight_prefixes"] = False
+    if args.get("max_itl_ms") == 0:
+        args["max_itl_ms"] = None
     if ns.enforce_eager:
         args["enforce_eager"] = True
     if ns.quantization is None:   # the embedded model is a Q4_1 GGUF: its own blocks make small-batch decode fast

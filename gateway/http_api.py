@@ -100,6 +100,8 @@ async def health(request: Request) -> Response:
     engine = getattr(request.app.state, "engine", None)
     if engine is None:
         return json_response({"status": "loading"}, 503)
+    if not engine.healthy:   # stopped on a step fault no request could be blamed for
+        return json_response({"status": "error", "error": engine.error}, 503)
     return json_response({"status": "ok", "model": engine.model_name})
 
 

@@ -3,6 +3,7 @@ from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_budget import StepBudget
 
 
 def req(rid, n, priority=0, t=0.0):
@@ -63,7 +64,8 @@ def test_priority_admits_first():
 
 def test_preempts_lowest_priority_newest_and_resumes():
     bm = BlockManager(6, 4)                         # 24 slots
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    # the three prompts are equal; without in-flight sharing all three are prefilled in the first step
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, share_inflight_prefixes=False)
     hi, lo_old, lo_new = req("hi", 7, 0, 2), req("lo_old", 7, 1, 0), req("lo_new", 7, 1, 1)
     for r in (lo_old, lo_new, hi):
         sched.add(r)
@@ -101,3 +103,102 @@ def test_request_alone_that_outgrows_pool_finishes_with_length():
         if out.preempted:
             break
     assert a.status == RequestStatus.FINISHED_LENGTH and a.stop_reason == "kv_cache_full"
+
+
+# ---- priority that holds, the prefill cap, the latency budget, prefixes in flight -----------------------------------
+def distinct(rid, n, priority=0, t=0.0, base=0):
+    return Request(rid, list(range(base + 1, base + n + 1)), SamplingParams(max_tokens=100), priority=priority,
+                   arrival_time=t)
+
+
+def test_waiting_realtime_goes_before_a_running_low_priority_prefill_chunk():
+    sched = Scheduler(BlockManager(200, 4), max_num_seqs=8, max_num_batched_tokens=16)
+    talk = distinct("talk", 3, priority=0, t=0, base=5000)
+    sched.add(talk)
+    run_step(sched)                                    # a realtime stream is decoding
+    http = distinct("http", 100, priority=1, t=1)
+    sched.add(http)
+    run_step(sched)                                    # its prompt is running, mid-prefill
+    assert http.status == RequestStatus.RUNNING and 0 < http.num_computed_tokens < 100
+    turn = distinct("turn", 10, priority=0, t=2, base=1000)
+    sched.add(turn)
+    out = run_step(sched)
+    got = [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
+    # the decode keeps going, then the new realtime prompt whole, then what is left for the HTTP chunk
+    assert got == [("talk", 1), ("turn", 10), ("http", 5)]
+
+
+def test_running_low_priority_prefill_waits_while_realtime_takes_the_budget():
+    sched = Scheduler(BlockManager(200, 4), max_num_seqs=8, max_num_batched_tokens=16)
+    http = distinct("http", 100, priority=1, t=0)
+    sched.add(http)
+    run_step(sched)
+    turn = distinct("turn", 40, priority=0, t=1, base=1000)
+    sched.add(turn)
+    chunks = []
+    while turn.num_output_tokens == 0:
+        out = run_step(sched)
+        chunks.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
+    assert chunks == [[("turn", 16)], [("turn", 16)], [("turn", 8), ("http", 8)]]
+
+
+def test_prefill_cap_per_request_while_others_wait():
+    sched = Scheduler(BlockManager(200, 4), max_num_seqs=8, max_num_batched_tokens=64,
+                      long_prefill_token_threshold=16)
+    a = distinct("a", 100, priority=1, t=0)
+    sched.add(a)
+    out = run_step(sched)
+    assert [s.num_new_tokens for s in out.scheduled] == [64]   # alone: no cap
+    b, c = distinct("b", 100, priority=1, t=1, base=1000), distinct("c", 20, priority=1, t=2, base=2000)
+    sched.add(b)
+    sched.add(c)
+    out = run_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 16), ("b", 16), ("c", 16)]
+
+
+def test_step_budget_shrinks_steps_only_while_streams_run():
+    budget = StepBudget(max_num_batched_tokens=512, max_itl_ms=100)
+    assert budget.tokens(num_decodes=4) == 512           # nothing measured yet
+    budget.observe(512, 1.0, carried_prefill=True)        # 512 tokens took a second
+    assert budget.tokens(num_decodes=0) == 512            # no stream to protect
+    assert budget.tokens(num_decodes=4) == 51             # 100 ms at 1/512 s per token
+    budget.observe(51, 0.2, carried_prefill=True)         # small steps cost more per token: the budget follows
+    assert budget.tokens(num_decodes=4) < 51
+    budget.observe(4, 10.0, carried_prefill=False)        # decode-only steps do not move it
+    assert budget.tokens(num_decodes=40) == 56            # floor: the decodes and min_prefill_tokens
+    sched = Scheduler(BlockManager(200, 4), max_num_seqs=8, max_num_batched_tokens=512, step_budget=budget)
+    talk = distinct("talk", 3, t=0, base=5000)
+    sched.add(talk)
+    run_step(sched)
+    sched.add(distinct("http", 300, priority=1, t=1))
+    out = run_step(sched)
+    assert out.token_budget == budget.tokens(1) == out.num_batched_tokens < 512
+
+
+def test_identical_prefix_in_flight_is_computed_once():
+    sched = Scheduler(BlockManager(200, 4, 4), max_num_seqs=8, max_num_batched_tokens=16)
+    system = list(range(1, 41))                           # 10 blocks of 4
+    reqs = [Request(f"s{i}", system + [100 + i, 200 + i], SamplingParams(max_tokens=100), arrival_time=i)
+            for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    computed = 0
+    while any(r.num_output_tokens == 0 for r in reqs):
+        out = run_step(sched)
+        computed += out.num_batched_tokens - out.num_decodes
+    assert reqs[1].num_cached_tokens == reqs[2].num_cached_tokens == 40
+    assert computed == 42 + 2 + 2                          # the system prompt once, then each tail
+    assert sched.block_manager.prefix_hits == 80
+
+
+def test_a_follower_goes_its_own_way_where_prompts_differ():
+    sched = Scheduler(BlockManager(200, 4, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    a = Request("a", list(range(1, 41)), SamplingParams(max_tokens=100), arrival_time=0)
+    b = Request("b", list(range(1, 9)) + list(range(500, 532)), SamplingParams(max_tokens=100), arrival_time=1)
+    sched.add(a)
+    sched.add(b)
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["a"] and out.num_deferred == 1
+    out = run_step(sched)                                  # a's blocks are cached: b hits its 2 shared blocks
+    assert b.num_cached_tokens == 8 and [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("a", 1), ("b", 32)]
