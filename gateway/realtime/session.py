@@ -28,6 +28,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from audio.stage import AudioStage
 from gateway.handshake import Handshake
 from gateway.metrics import Metrics
+from gateway.realtime import function_calls as fc
 from gateway.realtime import protocol as p
 from gateway.realtime import session_config as sc
 from gateway.realtime.audio_in import AudioInput, Span
@@ -183,6 +184,7 @@ class RealtimeSession:
         raw = p.get_dict(event, "item", "item", required=True)
         previous = p.get_str(event, "previous_item_id", "previous_item_id", nullable=True)
         item = parse_item(raw, "item")
+        fc.check_call_output(item, self.conversation.items, "item")
         if not self._check_audio_parts(item):
             self.add_item(item, previous)
             return
@@ -352,7 +354,7 @@ class RealtimeSession:
         """(for Speculation) An automatic response is coming for the pausing turn: none is active yet, or, once the
         turn ended, the active one has not rendered its prompt yet."""
         active = self.active
-        waiting = (active is not None and active.item is None) if turn_ended else active is None
+        waiting = (active is not None and not active.rendered) if turn_ended else active is None
         return waiting and self.audio_in.create_response and not self.transcribe_only
 
     # ------------------------------------------------------------------------------------------ responses
@@ -436,6 +438,7 @@ class RealtimeSession:
                                                    f"response.input[{i}].id"))
             else:
                 item = parse_item(raw, f"response.input[{i}]")
+                fc.check_call_output(item, [*self.conversation.items, *items], f"response.input[{i}]")
                 if self._check_audio_parts(item, f"response.input[{i}]"):
                     raise p.ProtocolError("input_audio in response.input needs a `transcript`; send the audio with "
                                           "conversation.item.create first.", "invalid_value",
