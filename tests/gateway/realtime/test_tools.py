@@ -182,3 +182,131 @@ async def test_spoken_turn_with_a_required_call_speaks_no_json(server):
     assert not spoken, spoken
     await raw.ws.close()
     await server.wait_idle(pinned_ok=True)
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "nope"}}}
+BAD_PATTERN = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(["}}}
+UNCOMPILABLE = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}  # a valid schema xgrammar refuses
+
+
+def tool(parameters: dict, name: str = "f") -> dict:
+    return {"type": "function", "name": name, "parameters": parameters}
+
+
+async def test_bad_tool_input_is_an_error_event_and_the_session_goes_on(server):
+    before = await server.wait_idle(pinned_ok=True)
+    raw = await open_raw(server, max_output_tokens=120)
+    await raw.send({"type": "session.update", "session": {"type": "realtime", "tools": TOOLS}})
+    assert (await raw.recv())["type"] == "session.updated"
+    bad_events = [  # (event, code, param): each answered by one error event, nothing else
+        ({"type": "session.update", "session": {"tools": [TOOLS[0], tool(BAD_SCHEMA)]}}, "session.tools[1].parameters"),
+        ({"type": "session.update", "session": {"tools": [tool(BAD_PATTERN)]}}, "session.tools[0].parameters"),
+        ({"type": "session.update", "session": {"tools": [tool({}, "bad name")]}}, "session.tools[0].name"),
+        ({"type": "session.update", "session": {"tools": [tool({}), tool({})]}}, "session.tools[1].name"),
+        ({"type": "session.update", "session": {"tool_choice": {"type": "function", "name": "nope"}}},
+         "session.tool_choice"),
+        ({"type": "session.update", "session": {"tools": [TOOLS[1]],
+                                                "tool_choice": {"type": "function", "name": "get_weather"}}},
+         "session.tool_choice"),
+        ({"type": "response.create", "response": {"tools": [tool(BAD_SCHEMA)]}}, "response.tools[0].parameters"),
+        ({"type": "response.create", "response": {"tool_choice": {"type": "function", "name": "nope"}}},
+         "response.tool_choice"),
+        ({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "call_missing",
+                                                       "output": "18 degrees"}}, "item.call_id"),
+        ({"type": "response.create", "response": {"conversation": "none", "input": [
+            {"type": "function_call_output", "call_id": "call_missing", "output": "18 degrees"}]}},
+         "response.input[0].call_id"),
+    ]
+    for i, (event, param) in enumerate(bad_events):
+        await expect_error(raw, {**event, "event_id": f"bad{i}"}, "invalid_value", param, f"bad{i}")
+    # a schema that is valid JSON Schema but that the grammar compiler refuses: the response fails, naming the tool
+    await raw.send({"type": "response.create", "event_id": "uncompilable",
+                    "response": {"tools": [TOOLS[0], tool(UNCOMPILABLE)], "tool_choice": "required"}})
+    events = await raw.until("response.done")
+    errors = [e["error"] for e in events if e["type"] == "error"]
+    assert [(e["code"], e["param"]) for e in errors] == [("invalid_value", "response.tools[1].parameters")], errors
+    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["output"] == []
+    # one function call item too long for the context alone: its arguments, then a tool output
+    huge = " ".join(["weather"] * (server.engine.max_model_len * 2))
+    for item, param in (({"type": "function_call", "call_id": "call_big", "name": "get_weather",
+                          "arguments": json.dumps({"city": huge})}, "item.arguments"),
+                        ({"type": "function_call_output", "call_id": "call_big", "output": huge}, "item.output")):
+        await raw.send({"type": "conversation.item.create", "item": {**item, "id": f"item_{param[5:]}"}})
+        await raw.until("conversation.item.done")
+        if param == "item.output":
+            await raw.send({"type": "conversation.item.delete", "item_id": "item_arguments"})
+            await raw.until("conversation.item.deleted")
+            await raw.send({"type": "conversation.item.create", "item": {
+                "type": "function_call", "call_id": "call_big", "name": "get_weather",
+                "arguments": '{"city": "Paris", "unit": "celsius"}'}, "previous_item_id": "root"})
+            await raw.until("conversation.item.done")
+        await raw.send({"type": "response.create"})
+        events = await raw.until("response.done")
+        errors = [e["error"] for e in events if e["type"] == "error"]
+        assert [(e["code"], e["param"]) for e in errors] == [("context_length_exceeded", param)], errors
+        assert events[-1]["response"]["status"] == "failed"
+    await raw.send({"type": "conversation.item.delete", "item_id": "item_output"})
+    await raw.until("conversation.item.deleted")
+    # the session goes on, its tools as they were before the rejected updates
+    await raw.send({"type": "session.update", "session": {"instructions": "You are a helpful assistant."}})
+    updated = (await raw.until("session.updated"))[-1]["session"]
+    assert updated["tools"] == TOOLS and updated["tool_choice"] == "auto"
+    await raw.say(ASK)
+    _, response, events = await raw.respond({"tool_choice": "required", "parallel_tool_calls": False,
+                                             "temperature": 0})
+    assert response["status"] == "completed" and not [e for e in events if e["type"] == "error"]
+    check_call(response["output"][0])
+    await raw.ws.close()
+    after = await server.wait_idle()
+    assert after["structured_requests"] == 0 and after["requests_running"] == 0
+    assert after["kv_pages_used"] <= before["kv_pages_used"]
+    assert re.search(r"^rtserve_requests_running 0\.0$", server.metrics_text(), re.M)
+
+
+async def test_openai_agents_realtime_agent_runs_a_function_tool(server):
+    """openai-agents' RealtimeAgent with a @function_tool and tool_choice "required": the SDK runs the tool with the
+    arguments the server streamed (schema-valid), sends its output and a response.create, and that response
+    completes."""
+    from agents import function_tool
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+
+    calls: list[dict] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append({"city": city})
+        return f"21 degrees and sunny in {city}"
+
+    agent = RealtimeAgent(name="weather", instructions="You answer questions about the weather. Use the tools.",
+                          tools=[get_weather])
+    settings = {"output_modalities": ["text"], "tool_choice": "required", "parallel_tool_calls": False,
+                "max_output_tokens": 120, "turn_detection": None}
+    runner = RealtimeRunner(agent, config={"model_settings": settings})
+    session = await runner.run(model_config={"url": server.realtime_url, "headers": {},
+                                             "initial_model_settings": settings})
+    tool_ends, done = [], []
+    async with session:
+        await session.send_message(ASK)
+        async with asyncio.timeout(300):
+            async for event in session:
+                if event.type == "error":
+                    raise AssertionError(event.error)
+                if event.type == "tool_end":
+                    tool_ends.append(event)
+                data = getattr(getattr(event, "data", None), "data", None)
+                if isinstance(data, dict) and data.get("type") == "response.done":
+                    done.append(data["response"])
+                    if tool_ends and len(done) >= 2:  # the response that called, then the one after the output
+                        break
+    # the first response is one call; the SDK ran the tool on it and sent the output and a response.create
+    assert done[0]["status"] == "completed" and [i["type"] for i in done[0]["output"]] == ["function_call"]
+    first = done[0]["output"][0]
+    assert tool_ends[0].arguments == first["arguments"]
+    jsonschema.validate(json.loads(first["arguments"]), get_weather.params_json_schema)
+    assert calls[0] == json.loads(first["arguments"]) and calls[0]["city"]
+    assert tool_ends[0].output == f"21 degrees and sunny in {calls[0]['city']}"
+    # the follow-up completes; tool_choice is still "required", so it is a call again, which the SDK runs too
+    assert done[1]["status"] == "completed" and [i["type"] for i in done[1]["output"]] == ["function_call"]
+    assert len(calls) <= 2 and all(c["city"] for c in calls), calls
+    await server.wait_idle(pinned_ok=True)
