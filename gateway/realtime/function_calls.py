@@ -91,7 +91,7 @@ class CallOutput:
         self._handle(self.parser.feed(text))
 
     async def finish(self) -> None:
-        self._handle(self.parser.finish())
+        self._handle(self.parser.finish(), at_end=True)   # a call still open here was cut short: done() closes it
         if hasattr(self.sink, "finish"):
             await self.sink.finish()   # the spoken text is heard before the response ends
 
@@ -105,7 +105,7 @@ class CallOutput:
             self._close_call("incomplete")
         self._close_message("completed" if self.resp.status == "completed" else "incomplete")
 
-    def _handle(self, events: list[tuple]) -> None:
+    def _handle(self, events: list[tuple], at_end: bool = False) -> None:
         for ev in events:
             if ev[0] == "content":
                 if self.call is not None:
@@ -129,7 +129,7 @@ class CallOutput:
                 self.runner.send({"type": "response.function_call_arguments.delta", "response_id": self.resp.id,
                                   "item_id": self.call.id, "output_index": self.resp.out_items.index(self.call),
                                   "call_id": self.call.call_id, "delta": ev[2]})
-        if self.call is not None and not self.parser.in_call:   # its `</tool_call>` came
+        if self.call is not None and not self.parser.in_call and not at_end:   # its `</tool_call>` came
             self._close_call("completed")
 
     def _close_call(self, status: str) -> None:
