@@ -4,7 +4,8 @@
 usage and output sink). `ResponseRunner` runs it: it waits for the user turn's transcripts, renders the prompt
 (append-only against the session's `PromptHistory`, dropping the oldest items when it does not fit), adopts the reply
 decoded during the pause when it is the same request, streams the engine's deltas into a `TextOutput` or an
-`audio_out.AudioOutput`, and finishes with the output item's done events and `response.done`. It also renders the reply
+`audio_out.AudioOutput` (through `function_calls.CallOutput` when the response's tools are active: text to the message
+item, calls to `function_call` items), and finishes with the output item's done events and `response.done`. It also renders the reply
 a pause may end with (`pregenerate`), so a reply decoded ahead and the response that adopts it are built alike.
 `PromptHistory` owns the token ids the session has sent to the engine (last prompt + its answer), which the next turn
 extends and a truncate rolls back.

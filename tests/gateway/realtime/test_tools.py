@@ -263,10 +263,11 @@ async def test_bad_tool_input_is_an_error_event_and_the_session_goes_on(server):
     assert re.search(r"^rtserve_requests_running 0\.0$", server.metrics_text(), re.M)
 
 
-async def test_openai_agents_realtime_agent_runs_a_function_tool(server):
-    """openai-agents' RealtimeAgent with a @function_tool and tool_choice "required": the SDK runs the tool with the
-    arguments the server streamed (schema-valid), sends its output and a response.create, and that response
-    completes."""
+@pytest.mark.parametrize("spoken", [False, True])
+async def test_openai_agents_realtime_agent_runs_a_function_tool(server, spoken):
+    """openai-agents' RealtimeAgent with a @function_tool and tool_choice "required", typed or spoken (speech in,
+    server VAD, spoken replies): the SDK runs the tool with the arguments the server streamed (schema-valid), sends
+    its output and a response.create, and that response completes."""
     from agents import function_tool
     from agents.realtime import RealtimeAgent, RealtimeRunner
 
@@ -280,20 +281,29 @@ async def test_openai_agents_realtime_agent_runs_a_function_tool(server):
 
     agent = RealtimeAgent(name="weather", instructions="You answer questions about the weather. Use the tools.",
                           tools=[get_weather])
-    settings = {"output_modalities": ["text"], "tool_choice": "required", "parallel_tool_calls": False,
-                "max_output_tokens": 120, "turn_detection": None}
+    settings = {"output_modalities": ["audio" if spoken else "text"], "tool_choice": "required",
+                "parallel_tool_calls": False, "max_output_tokens": 120}
+    if not spoken:
+        settings["turn_detection"] = None
     runner = RealtimeRunner(agent, config={"model_settings": settings})
     session = await runner.run(model_config={"url": server.realtime_url, "headers": {},
                                              "initial_model_settings": settings})
-    tool_ends, done = [], []
+    tool_ends, done, audio_events = [], [], []
     async with session:
-        await session.send_message(ASK)
+        if spoken:
+            pcm, _, _ = utterance("what is the weather in paris", PCM16)
+            for i in range(0, len(pcm), 4800):   # 100 ms appends, as a microphone sends them
+                await session.send_audio(pcm[i:i + 4800])
+        else:
+            await session.send_message(ASK)
         async with asyncio.timeout(300):
             async for event in session:
                 if event.type == "error":
                     raise AssertionError(event.error)
                 if event.type == "tool_end":
                     tool_ends.append(event)
+                if event.type == "audio":
+                    audio_events.append(event)
                 data = getattr(getattr(event, "data", None), "data", None)
                 if isinstance(data, dict) and data.get("type") == "response.done":
                     done.append(data["response"])
@@ -309,4 +319,5 @@ async def test_openai_agents_realtime_agent_runs_a_function_tool(server):
     # the follow-up completes; tool_choice is still "required", so it is a call again, which the SDK runs too
     assert done[1]["status"] == "completed" and [i["type"] for i in done[1]["output"]] == ["function_call"]
     assert len(calls) <= 2 and all(c["city"] for c in calls), calls
+    assert not audio_events   # calls only: nothing spoken, no JSON read out
     await server.wait_idle(pinned_ok=True)
