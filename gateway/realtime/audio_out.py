@@ -77,7 +77,8 @@ class AudioOutput:
         self._search = 0
         self._pieces: asyncio.Queue = asyncio.Queue()
         self._busy = False  # a piece is being synthesized and sent
-        self._ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0, "content_index": self.index}
+        self._ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": resp.out_items.index(resp.item),
+                     "content_index": self.index}
         send({"type": "response.content_part.added", **self._ids, "part": {"type": "audio", "transcript": ""}})
         self.stage.awaiting_first_piece[resp.id] = time.monotonic()
         self._task = asyncio.create_task(self._speak(), name=f"{resp.id}-tts")

@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway import tools as tl
 from gateway.realtime import protocol as p
 
 MAX_ITEM_ID_LEN = 64
@@ -177,17 +178,25 @@ def truncate_part(item: Item, content_index: int, audio_end_ms: int) -> None:
 
 
 def to_messages(items: list[Item], instructions: str) -> list[dict]:
-    """Chat-template messages. Empty instructions send no system message, so the template adds its own default
-    (SmolLM2 does) the same way on every turn — the rendering stays a prefix of the next one."""
+    """Chat messages in OpenAI's chat shape. Empty instructions send no system message, so the template adds its own
+    default (SmolLM2 does) the same way on every turn — the rendering stays a prefix of the next one. A function_call
+    item is an assistant `tool_calls` entry (joined to the assistant message before it: text, then calls, as the
+    model wrote them) and a function_call_output a `tool` message; `gateway.tools.render` then renders them the
+    template's way (for templates without tools: the `<tool_call>` the model emitted and a `<tool_response>`)."""
     messages = [{"role": "system", "content": instructions}] if instructions else []
     for item in items:
         if item.type == "message":
             messages.append({"role": item.role, "content": item.text()})
         elif item.type == "function_call":
-            messages.append({"role": "assistant",
-                             "content": f'{{"function_call": "{item.name}", "arguments": {item.arguments or "{}"}}}'})
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
-            messages.append({"role": "user", "content": f"Function result ({item.call_id}): {item.output}"})
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output or ""})
     # response.create before any item and without instructions: chat templates refuse an empty conversation, so the
     # model answers an empty user turn (it speaks first, as OpenAI's models do)
     return messages or [{"role": "user", "content": ""}]
@@ -230,9 +239,16 @@ class PromptRenderer:
             self._takes_tools = "rtserve_probe_tool" in text
         return self._takes_tools
 
-    def render(self, messages: list[dict], previous: Rendered | None = None) -> tuple[Rendered, bool]:
-        """Render `messages`; returns the prompt and whether it extends `previous` (append-only) or was re-rendered."""
-        text = self.template(messages)
+    def render(self, messages: list[dict], previous: Rendered | None = None,
+               tools: tl.ToolRequest | None = None) -> tuple[Rendered, bool]:
+        """Render `messages` (with `tools` when active: the template's own way or our tool prompt in the system
+        message, so they are rendered once, ahead of the history); returns the prompt and whether it extends
+        `previous` (append-only) or was re-rendered."""
+        if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            messages, template_tools = tl.render(messages, tools or tl.ToolRequest(), self.takes_tools())
+        else:
+            template_tools = None
+        text = self.template(messages, template_tools)
         if previous is not None and previous.text and text.startswith(previous.text):
             return Rendered(text, previous.ids + self.encode(text[len(previous.text):])), True
         return Rendered(text, self.encode(text)), False

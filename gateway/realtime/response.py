@@ -4,7 +4,8 @@
 usage and output sink). `ResponseRunner` runs it: it waits for the user turn's transcripts, renders the prompt
 (append-only against the session's `PromptHistory`, dropping the oldest items when it does not fit), adopts the reply
 decoded during the pause when it is the same request, streams the engine's deltas into a `TextOutput` or an
-`audio_out.AudioOutput`, and finishes with the output item's done events and `response.done`. It also renders the reply
+`audio_out.AudioOutput` (through `function_calls.CallOutput` when the response's tools are active: text to the message
+item, calls to `function_call` items), and finishes with the output item's done events and `response.done`. It also renders the reply
 a pause may end with (`pregenerate`), so a reply decoded ahead and the response that adopts it are built alike.
 `PromptHistory` owns the token ids the session has sent to the engine (last prompt + its answer), which the next turn
 extends and a truncate rolls back.
@@ -14,17 +15,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from audio.stage import AudioStage
-from engine import SamplingParams
+from engine import SamplingParams, StructuredOutputsParams
 from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
+from gateway import tools as tl
 from gateway.metrics import LatencyTimer, Metrics
 from gateway.realtime import protocol as p
 from gateway.realtime import session_config as sc
 from gateway.realtime.audio_out import AudioOutput, SpeechPlan, output_format
 from gateway.realtime.conversation import Conversation, Item, PromptRenderer, Rendered, to_messages
+from gateway.realtime.function_calls import CallOutput
 from gateway.realtime.speculation import Pregen
 
 if TYPE_CHECKING:
@@ -54,11 +57,13 @@ class ActiveResponse:
     task: asyncio.Task | None = None
     started: bool = False  # the task ran its first step (a task cancelled before that never runs its body)
     cancel_reason: str | None = None
-    item: Item | None = None
+    rendered: bool = False  # its prompt is rendered (a reply decoded ahead is taken or dropped by then)
+    item: Item | None = None  # the message item being generated (None: not yet, or a response of calls only)
+    out_items: list[Item] = field(default_factory=list)  # every output item, in output_index order
     status: str = "in_progress"
     status_details: dict | None = None
     usage: dict | None = None
-    output: Any = None  # the sink streaming this response (TextOutput | AudioOutput)
+    output: Any = None  # the sink streaming the message item (TextOutput | AudioOutput)
 
     @property
     def in_conversation(self) -> bool:
@@ -82,7 +87,8 @@ class TextOutput:
         self.send, self.resp = send, resp
         self.part = {"type": "output_text", "text": ""}
         resp.item.content.append(self.part)
-        self._ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0, "content_index": 0}
+        self._ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": resp.out_items.index(resp.item),
+                     "content_index": 0}
         send({"type": "response.content_part.added", **self._ids, "part": {"type": "text", "text": ""}})
 
     def delta(self, text: str) -> None:
@@ -162,7 +168,7 @@ class ResponseRunner:
     def response_dict(self, resp: ActiveResponse) -> dict:
         return {"id": resp.id, "object": "realtime.response", "status": resp.status,
                 "status_details": resp.status_details,
-                "output": [resp.item.to_dict()] if resp.item is not None else [],
+                "output": [item.to_dict() for item in resp.out_items],
                 "conversation_id": self.conversation.id if resp.in_conversation else None,
                 "output_modalities": resp.output_modalities,
                 "max_output_tokens": resp.params.max_output_tokens,
@@ -171,15 +177,18 @@ class ResponseRunner:
                 "metadata": resp.params.metadata, "usage": resp.usage}
 
     # ---------------------------------------------------------------------------------------- the prompt
-    async def _render(self, items: list[Item], instructions: str, extends_session: bool) -> Rendered:
+    async def _render(self, items: list[Item], instructions: str, extends_session: bool,
+                      tools: tl.ToolRequest) -> tuple[Rendered, list[Item]]:
         """Render the prompt (in a thread: templates and tokenizers are CPU work), dropping the oldest items while it
-        does not fit the model (OpenAI's `truncation: auto`)."""
+        does not fit the model (OpenAI's `truncation: auto`); also returns the items rendered."""
         previous = self.history.rendered if extends_session else None
         limit = self.engine.max_model_len - 1
+        active = tools if tools.active else None
         while True:
-            prompt, _ = await asyncio.to_thread(self.renderer.render, to_messages(items, instructions), previous)
+            prompt, _ = await asyncio.to_thread(self.renderer.render, to_messages(items, instructions), previous,
+                                                active)
             if len(prompt.ids) < limit or len(items) <= 1 or self.config().get("truncation") == "disabled":
-                return prompt
+                return prompt, items
             items = items[1:]
             previous = None
 
@@ -190,7 +199,23 @@ class ResponseRunner:
         if max_tokens < 1:
             raise PromptTooLongError(f"the conversation ({len(prompt.ids)} tokens) leaves no room to answer "
                                      f"within the model's {self.engine.max_model_len}-token context")
-        return SamplingParams(max_tokens=max_tokens, temperature=params.temperature, stop_token_ids=self.stop_ids)
+        return SamplingParams(max_tokens=max_tokens, temperature=params.temperature, stop_token_ids=self.stop_ids,
+                              structured_outputs=params.tools.constraint())
+
+    async def _check_tool_schemas(self, params: sc.ResponseParams) -> None:
+        """Each active tool's `parameters` through the engine's grammar compiler (cached by schema): a schema it
+        cannot compile fails the response with an error naming that tool, before anything reaches the engine."""
+        if not params.tools.active:
+            return
+        names = [t.get("name") for t in params.tool_list]
+        for t in params.tools.tools:
+            try:
+                await self.engine.compile_structured(StructuredOutputsParams(json=t["parameters"]))
+            except InvalidRequestError as exc:
+                index = names.index(t["name"]) if t["name"] in names else None
+                where = f"{params.tools_param}[{index}]" if index is not None else params.tools_param
+                raise InvalidRequestError(f"the parameters of tool {t['name']!r} cannot be compiled to a grammar: "
+                                          f"{str(exc).split(': ', 1)[-1]}", param=f"{where}.parameters") from None
 
     async def pregenerate(self, transcript: str) -> Pregen | None:
         """Start decoding the reply to a turn that may be ending (server VAD pause): the prompt the response would
@@ -201,19 +226,22 @@ class ResponseRunner:
         pending = Item("pending", "message", role="user", content=[{"type": "input_audio", "transcript": transcript}])
         settled = [it for it in self.conversation.items  # this turn's item, if committed already, is `pending`
                    if not any(part.get("transcript", "") is None for part in it.content)]
-        prompt = await self._render([*settled, pending], params.instructions, True)
+        prompt, _ = await self._render([*settled, pending], params.instructions, True, params.tools)
         try:
             sampling = self._sampling(params, prompt)
         except PromptTooLongError:
             return None
         speech = None
-        if self.stage is not None and params.output_modalities == ["audio"]:  # the reply will be spoken: start on it
+        # the reply will be spoken: start on it (not when it may call a tool: its text is parsed first, by the
+        # response, so no call is ever spoken)
+        if self.stage is not None and params.output_modalities == ["audio"] and not params.tools.active:
             speech = SpeechPlan(self.stage, *output_format(config))
         return Pregen(self.engine, f"{self.session_id}-{p.new_id('pre')}", prompt, sampling, speech=speech,
                       priority=REALTIME_PRIORITY, cache_salt=self.cache_salt, session_id=self.session_id)
 
-    def _open_output(self, resp: ActiveResponse):
-        """The sink that turns text deltas into events: spoken when the response's modalities are ["audio"]."""
+    def open_sink(self, resp: ActiveResponse):
+        """The sink that turns `resp.item`'s text deltas into events: spoken when the response's modalities are
+        ["audio"]."""
         if self.stage is not None and resp.output_modalities == ["audio"]:
             return AudioOutput(self.send, resp, self.stage, *output_format(self.config()),
                                name=f"{self.session_id}-{resp.id}")
@@ -232,20 +260,25 @@ class ResponseRunner:
             if audio_in is not None and resp.items is None:  # the committed speech is this turn's prompt
                 await audio_in.wait_transcripts()  # (commits sent before response.create already ran)
             items = list(resp.items if resp.items is not None else self.conversation.items)
-            prompt = await self._render(items, resp.params.instructions, resp.extends_session)
-            sampling = self._sampling(resp.params, prompt)
+            await self._check_tool_schemas(resp.params)
+            prompt, rendered = await self._render(items, resp.params.instructions, resp.extends_session,
+                                                  resp.params.tools)
+            try:
+                sampling = self._sampling(resp.params, prompt)
+            except PromptTooLongError as exc:
+                exc.param = _too_long_param(rendered, resp)
+                raise
             pre = speculation.take_reply() if speculation is not None else None
+            resp.rendered = True
             if pre is not None and not (resp.extends_session and pre.matches(prompt, sampling)):
                 pre.cancel()
                 pre = None
-            resp.item = Item(p.new_id("item"), "message", role="assistant", status="in_progress")
-            self.send({"type": "response.output_item.added", "response_id": resp.id, "output_index": 0,
-                       "item": resp.item.to_dict()})
-            if resp.in_conversation:
-                before = self.conversation.insert(resp.item)
-                self.send({"type": "conversation.item.added", "previous_item_id": before,
-                           "item": resp.item.to_dict()})
-            output = resp.output = self._open_output(resp)
+            if resp.params.tools.active:  # text and calls: the items open as the parser finds them
+                output = CallOutput(self, resp)
+            else:
+                resp.item = Item(p.new_id("item"), "message", role="assistant", status="in_progress")
+                self.add_output_item(resp, resp.item)
+                output = resp.output = self.open_sink(resp)
             loop = asyncio.get_running_loop()
             timer = LatencyTimer(self.metrics, "realtime", loop.time())
             if pre is not None:  # decoded during the pause that ended the turn: same prompt, same sampling
@@ -279,10 +312,10 @@ class ResponseRunner:
                         else:
                             resp.status = "completed"
                             resp.status_details = None
-            if isinstance(output, AudioOutput):
+            if isinstance(output, (AudioOutput, CallOutput)):
                 await output.finish()  # the rest of the reply is spoken before response.done
         except asyncio.CancelledError:
-            if isinstance(output, AudioOutput):
+            if isinstance(output, (AudioOutput, CallOutput)):
                 output.cancel()
             if not finished:
                 await self._abort(resp.request_id)
@@ -291,6 +324,8 @@ class ResponseRunner:
             resp.status = "cancelled"
             resp.status_details = cancelled_details(resp.cancel_reason)
         except (PromptTooLongError, InvalidRequestError) as exc:
+            if exc.param and not exc.param.startswith("structured_outputs"):  # the client's input: say where
+                self.send(p.error_event(p.ProtocolError(str(exc), _error_code(exc), exc.param)))
             resp.status = "failed"
             resp.status_details = {"type": "failed", "error": {"type": "invalid_request_error",
                                                                "code": type(exc).__name__, "message": str(exc)}}
@@ -314,19 +349,14 @@ class ResponseRunner:
                n_cached: int) -> None:
         """The output item's done events, the session's prompt history extended by this turn, the usage; the session
         then sends response.done (`send_done`) once it no longer holds the response as active."""
-        if resp.item is not None:
-            resp.item.status = "completed" if resp.status == "completed" else "incomplete"
+        if isinstance(output, CallOutput):
+            output.done()
+        elif resp.item is not None:
             if output is not None:
                 output.done()
-            item = resp.item.to_dict()
-            self.send({"type": "response.output_item.done", "response_id": resp.id, "output_index": 0,
-                       "item": item})
-            if resp.in_conversation and resp.item.id in self.conversation:
-                index = next(i for i, it in enumerate(self.conversation.items) if it.id == resp.item.id)
-                before = self.conversation.items[index - 1].id if index else None
-                self.send({"type": "conversation.item.done", "previous_item_id": before, "item": item})
-        if resp.extends_session and prompt is not None and resp.item is not None:
-            self.history.extend(resp.item.id, prompt, out_ids)
+            self.close_output_item(resp, resp.item, "completed" if resp.status == "completed" else "incomplete")
+        if resp.extends_session and prompt is not None and resp.out_items:
+            self.history.extend((resp.item or resp.out_items[0]).id, prompt, out_ids)
         n_out = len(out_ids)
         resp.usage = {"total_tokens": n_prompt + n_out, "input_tokens": n_prompt, "output_tokens": n_out,
                       "input_token_details": {"text_tokens": n_prompt, "audio_tokens": 0, "image_tokens": 0,
@@ -335,8 +365,43 @@ class ResponseRunner:
                                                                         "audio_tokens": 0, "image_tokens": 0}},
                       "output_token_details": {"text_tokens": n_out, "audio_tokens": 0}}
 
+    def add_output_item(self, resp: ActiveResponse, item: Item) -> None:
+        """A new output item: response.output_item.added, and into the conversation unless out of band."""
+        resp.out_items.append(item)
+        self.send({"type": "response.output_item.added", "response_id": resp.id,
+                   "output_index": len(resp.out_items) - 1, "item": item.to_dict()})
+        if resp.in_conversation:
+            before = self.conversation.insert(item)
+            self.send({"type": "conversation.item.added", "previous_item_id": before, "item": item.to_dict()})
+
+    def close_output_item(self, resp: ActiveResponse, item: Item, status: str) -> None:
+        """response.output_item.done, and conversation.item.done while the item is still in the conversation."""
+        item.status = status
+        done = item.to_dict()
+        self.send({"type": "response.output_item.done", "response_id": resp.id,
+                   "output_index": resp.out_items.index(item), "item": done})
+        if resp.in_conversation and item.id in self.conversation:
+            index = next(i for i, it in enumerate(self.conversation.items) if it.id == item.id)
+            before = self.conversation.items[index - 1].id if index else None
+            self.send({"type": "conversation.item.done", "previous_item_id": before, "item": done})
+
     def send_done(self, resp: ActiveResponse) -> None:
         self.send({"type": "response.done", "response": self.response_dict(resp)})
+
+
+def _too_long_param(items: list[Item], resp: ActiveResponse) -> str | None:
+    """Where a prompt that cannot fit comes from, when one function call item alone is too long for the context
+    (its arguments or output); None otherwise (a long conversation is the session's state, not one bad field)."""
+    if len(items) != 1 or items[0].type == "message":
+        return None
+    field_name = "arguments" if items[0].type == "function_call" else "output"
+    if resp.items is not None:
+        return f"response.input[{resp.items.index(items[0])}].{field_name}"
+    return f"item.{field_name}"
+
+
+def _error_code(exc: Exception) -> str:
+    return "context_length_exceeded" if isinstance(exc, PromptTooLongError) else "invalid_value"
 
 
 def stop_token_ids(tokenizer) -> list[int]:

@@ -28,6 +28,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from audio.stage import AudioStage
 from gateway.handshake import Handshake
 from gateway.metrics import Metrics
+from gateway.realtime import function_calls as fc
 from gateway.realtime import limits as lim
 from gateway.realtime import protocol as p
 from gateway.realtime import session_config as sc
@@ -222,6 +223,7 @@ class RealtimeSession:
         previous = p.get_str(event, "previous_item_id", "previous_item_id", nullable=True)
         item = parse_item(raw, "item")
         self._check_room(item, "item")
+        fc.check_call_output(item, self.conversation.items, "item")
         if not self._check_audio_parts(item):
             self.add_item(item, previous)
             return
@@ -393,7 +395,7 @@ class RealtimeSession:
         """(for Speculation) An automatic response is coming for the pausing turn: none is active yet, or, once the
         turn ended, the active one has not rendered its prompt yet."""
         active = self.active
-        waiting = (active is not None and active.item is None) if turn_ended else active is None
+        waiting = (active is not None and not active.rendered) if turn_ended else active is None
         return waiting and self.audio_in.create_response and not self.transcribe_only
 
     # ------------------------------------------------------------------------------------------ responses
@@ -484,6 +486,7 @@ class RealtimeSession:
             else:
                 item = parse_item(raw, f"response.input[{i}]")
                 lim.check_item(item, f"response.input[{i}]", self.limits.max_item_bytes)
+                fc.check_call_output(item, [*self.conversation.items, *items], f"response.input[{i}]")
                 if self._check_audio_parts(item, f"response.input[{i}]"):
                     raise p.ProtocolError("input_audio in response.input needs a `transcript`; send the audio with "
                                           "conversation.item.create first.", "invalid_value",

@@ -6,10 +6,12 @@ field is valid, so a bad update changes nothing. Beta clients send flat fields, 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.realtime import function_calls as fc
 from gateway.realtime import protocol as p
+from gateway.tools import ToolRequest
 
 # Models the beta SDK's `Session.model` literal accepts; other names are left out of beta session objects.
 BETA_MODELS = ("gpt-realtime", "gpt-realtime-2025-08-28", "gpt-4o-realtime-preview",
@@ -113,6 +115,7 @@ def _apply_ga(s: dict, u: dict) -> None:
         if (aout := p.get_dict(audio, "output", "session.audio.output")) is not None:
             _apply_audio_output(s["audio"]["output"], aout, "session.audio.output")
     _apply_common(s, u)
+    fc.tool_request(s["tools"], s["tool_choice"], None, "session.tool_choice")  # a named tool_choice is a tool
     if "truncation" in u:
         s["truncation"] = check_truncation(u["truncation"], "session.truncation")
     for key in ("prompt", "reasoning", "parallel_tool_calls"):
@@ -146,6 +149,7 @@ def _apply_beta(s: dict, u: dict) -> None:
     _apply_audio_input(ain, mapped_in, "session")
     _apply_audio_output(aout, {k: u[k] for k in ("voice", "speed") if k in u}, "session")
     _apply_common(s, u)
+    fc.tool_request(s["tools"], s["tool_choice"], None, "session.tool_choice")
 
 
 def _apply_common(s: dict, u: dict) -> None:
@@ -245,14 +249,20 @@ def check_output_modalities(mods: list, param: str) -> list[str]:
 
 
 def check_tools(tools: list, param: str) -> list[dict]:
+    names = set()
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise p.wrong_type(f"{param}[{i}]", "an object", tool)
         kind = p.check_choice(tool.get("type", "function"), f"{param}[{i}].type", ("function", "mcp"))
         if kind == "function":
-            p.get_str(tool, "name", f"{param}[{i}].name", required=True)
+            p.check_known(tool, {"type", "name", "description", "parameters"}, f"{param}[{i}]")
+            name = fc.check_name(p.get_str(tool, "name", f"{param}[{i}].name", required=True), f"{param}[{i}].name")
+            if name in names:
+                raise p.bad_value(f"{param}[{i}].name", name, "a name no other tool of the list has")
+            names.add(name)
             p.get_str(tool, "description", f"{param}[{i}].description")
-            p.get_dict(tool, "parameters", f"{param}[{i}].parameters")
+            if (schema := p.get_dict(tool, "parameters", f"{param}[{i}].parameters")) is not None:
+                fc.check_schema(schema, f"{param}[{i}].parameters")
     return tools
 
 
@@ -343,14 +353,19 @@ class ResponseParams:
     input: list | None = None  # raw items / item_references (validated by the session against its conversation)
     metadata: dict | None = None
     voice: Any = None
-    tools: list | None = None
+    tools: ToolRequest = field(default_factory=ToolRequest)  # the function tools and tool_choice this response uses
+    tools_param: str = "session.tools"  # where they came from, for errors found when the response runs
+    tool_list: list = field(default_factory=list)  # as the client sent them (session.tools or response.tools)
 
 
 def response_params(session: dict, raw: Any, dialect: str) -> ResponseParams:
     params = ResponseParams(instructions=session["instructions"],
                             output_modalities=list(session["output_modalities"]),
                             max_output_tokens=session["max_output_tokens"], temperature=session["temperature"],
-                            voice=session["audio"]["output"]["voice"], tools=session["tools"])
+                            voice=session["audio"]["output"]["voice"])
+    params.tools = fc.tool_request(session["tools"], session["tool_choice"], session.get("parallel_tool_calls"),
+                                   "session.tool_choice")
+    params.tool_list = session["tools"]
     if raw is None:
         return params
     if not isinstance(raw, dict):
@@ -388,13 +403,19 @@ def response_params(session: dict, raw: Any, dialect: str) -> ResponseParams:
         params.max_output_tokens = mot
     if (temp := p.get_number(raw, "temperature", "response.temperature", lo=0.0, hi=2.0)) is not None:
         params.temperature = temp
-    if (tools := p.get_list(raw, "tools", "response.tools")) is not None:
-        params.tools = check_tools(tools, "response.tools")
+    tools, tool_choice = session["tools"], session["tool_choice"]
+    if (listed := p.get_list(raw, "tools", "response.tools")) is not None:
+        tools = params.tool_list = check_tools(listed, "response.tools")
+        params.tools_param = "response.tools"
     if "tool_choice" in raw:
-        check_tool_choice(raw["tool_choice"], "response.tool_choice")
+        tool_choice = check_tool_choice(raw["tool_choice"], "response.tool_choice")
     for key in ("prompt", "reasoning", "parallel_tool_calls"):
         if key in raw:
             _OPTIONAL_CHECKS[key](raw[key], "response." + key)
+    if "tools" in raw or "tool_choice" in raw or "parallel_tool_calls" in raw:
+        parallel = raw.get("parallel_tool_calls", session.get("parallel_tool_calls"))
+        params.tools = fc.tool_request(tools, tool_choice, parallel,
+                                       "response.tool_choice" if "tool_choice" in raw else params.tools_param)
     if (conv := p.get_str(raw, "conversation", "response.conversation", nullable=True)) is not None:
         params.conversation = p.check_choice(conv, "response.conversation", ("auto", "none"))
     params.input = p.get_list(raw, "input", "response.input", nullable=True)

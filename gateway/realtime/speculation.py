@@ -165,8 +165,9 @@ class Pregen:
 
     def matches(self, prompt, sampling) -> bool:
         a, b = self.sampling, sampling
-        return prompt.ids == self.prompt.ids and (a.max_tokens, a.temperature, a.stop_token_ids) == \
-            (b.max_tokens, b.temperature, b.stop_token_ids)
+        return prompt.ids == self.prompt.ids and (a.max_tokens, a.temperature, a.stop_token_ids,
+                                                  a.structured_outputs) == \
+            (b.max_tokens, b.temperature, b.stop_token_ids, b.structured_outputs)
 
     async def stream(self):
         i = 0

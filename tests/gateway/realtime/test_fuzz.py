@@ -84,7 +84,7 @@ async def test_ga_session_fields_are_validated(server, session, code, param):
 
 
 @pytest.mark.parametrize("session", [
-    {"tool_choice": {"type": "function", "name": "f"}},
+    {"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "f"}},
     {"tool_choice": {"type": "mcp", "server_label": "s", "name": None}},
     {"truncation": "disabled"},
     {"truncation": {"type": "retention_ratio", "retention_ratio": 0.5, "token_limits": {"post_instructions": 100}}},
