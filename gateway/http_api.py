@@ -36,7 +36,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Match, Route, WebSocketRoute
 
 from engine import SamplingParams, StructuredOutputsParams
-from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
+from engine.errors import EngineDeadError, EngineError, InvalidRequestError, PromptTooLongError
 from gateway import http_models as hm
 from gateway import tools as tl
 from gateway.realtime import protocol as p
@@ -372,9 +372,8 @@ async def _complete(request: Request, chat: bool) -> Response:
         msg, param = _structured_param(exc, "tools" if parse_tools else structured[1])
         raise HTTPError(400, msg, "context_length_exceeded" if isinstance(exc, PromptTooLongError)
                         else "invalid_value", param) from None
-    except EngineError:
-        raise HTTPError(500, "The engine failed while serving this request.", "engine_error",
-                        type="server_error") from None
+    except EngineError as exc:
+        raise _engine_failure(exc) from None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(gen, first, rid, created, model, chat, include_usage, timer,
@@ -382,9 +381,8 @@ async def _complete(request: Request, chat: bool) -> Response:
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         text, out, n_out = await _unless_gone(request, _collect(gen, first, timer))
-    except EngineError:
-        raise HTTPError(500, "The engine failed while serving this request.", "engine_error",
-                        type="server_error") from None
+    except EngineError as exc:
+        raise _engine_failure(exc) from None
     usage = _usage(out, n_out)
     reason = "length" if out.finish_reason == "length" else "stop"
     if chat:
@@ -402,6 +400,15 @@ async def _complete(request: Request, chat: bool) -> Response:
         obj = "text_completion"
     return json_response({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
                           "usage": usage})
+
+
+def _engine_failure(exc: EngineError) -> HTTPError:
+    """An engine failure, without its Python text: a stopped engine is a 503 (GET /health says why), a fault pinned on
+    this request a 500."""
+    if isinstance(exc, EngineDeadError):
+        return HTTPError(503, "The engine is not running; GET /health says why.", "engine_unavailable",
+                         type="server_error")
+    return HTTPError(500, "The engine failed while serving this request.", "engine_error", type="server_error")
 
 
 async def _collect(gen, first, timer) -> tuple[str, Any, int]:
