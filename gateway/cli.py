@@ -14,6 +14,10 @@ USAGE = """usage: rtserve serve [options]      run the OpenAI-compatible Realtim
 def serve_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rtserve serve", description="OpenAI Realtime (WebSocket) + HTTP API server.")
     ap.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    ap.add_argument("--served-model-name", nargs="+", default=None,
+                    help="the model name(s) the API accepts and answers with (the first is reported in Realtime "
+                         "sessions and /health); a request for another model gets a 404. Default: the model's own "
+                         "name (--model as given, or SmolLM2-135M-Instruct)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=settings.raw("RTSERVE_API_KEY") or None,
@@ -99,7 +103,8 @@ def serve(argv: list[str]) -> int:
     settings = Settings(model=ns.model, engine_args=engine_args(ns), api_key=ns.api_key or None,
                         allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{ns.port}",
                         audio=not ns.no_audio, chat_template=ns.chat_template,
-                        tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice)
+                        tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                        served_model_name=ns.served_model_name)
     if ns.max_request_bytes:
         settings.max_request_bytes = ns.max_request_bytes
     uvicorn.run(create_app(settings), host=ns.host, port=ns.port, ws_max_size=WS_MAX_SIZE,

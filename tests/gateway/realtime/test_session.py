@@ -135,7 +135,7 @@ async def test_handshake_subprotocols_and_auth(server):
             as ws:
         assert ws.subprotocol == "realtime"
         created = await Raw(ws).recv()
-        assert created["type"] == "session.created" and created["session"]["model"] == "gpt-realtime"
+        assert created["type"] == "session.created" and created["session"]["model"] == server.engine.model_name
     # Nothing offered → nothing selected (the Python SDK fails the handshake otherwise).
     async with websockets.connect(server.realtime_url) as ws:
         assert ws.subprotocol is None
@@ -372,7 +372,8 @@ async def test_pins_give_way_to_live_requests_under_kv_pressure(small_server):
     assert len(prompt) < server.engine.max_model_len - 8 and need * page < total * page
     async with httpx.AsyncClient(timeout=300) as h:
         r = await h.post(f"{server.base_url}/completions",
-                         json={"model": "x", "prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+                         json={"model": server.engine.model_name, "prompt": prompt, "max_tokens": 4,
+                               "ignore_eos": True})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["prompt_tokens"] == len(prompt) and body["choices"][0]["finish_reason"] == "length"
