@@ -19,7 +19,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from audio.stage import AudioStage
-from gateway import handshake, http_api, tools
+from gateway import generation_config, handshake, http_api, tools
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.realtime.conversation import PromptRenderer
 from gateway.realtime.session import RealtimeSession, SessionLimits
@@ -44,6 +44,7 @@ class Settings:
     enable_auto_tool_choice: bool = True  # False: tool_choice "auto" is a 400, as in vLLM without the flag
     max_request_bytes: int = http_api.DEFAULT_MAX_REQUEST_BYTES   # HTTP API bodies above this get a 413
     served_model_name: list[str] | None = None   # names clients use for the model; None: the model's own name
+    generation_config: str = "auto"   # sampling defaults: "auto" (the model's), "vllm" (none), or a path
 
 
 def create_app(settings: Settings | None = None, engine=None) -> Starlette:
@@ -107,6 +108,9 @@ def _attach(app: Starlette, engine) -> None:
         tokenizer.chat_template = _read_template(settings.chat_template)
     app.state.engine = engine
     app.state.served_model_names = list(settings.served_model_name or [engine.model_name])
+    app.state.sampling_defaults = generation_config.sampling_defaults(
+        settings.generation_config, getattr(getattr(engine, "engine", None), "model_dir", None),   # the LLMEngine's
+        embedded=settings.model is None)
     app.state.renderer = PromptRenderer(tokenizer)
     app.state.tool_call_parser = tools.resolve_tool_call_parser(settings.tool_call_parser, tokenizer.chat_template,
                                                                app.state.renderer.takes_tools())
@@ -167,6 +171,8 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
     hs.model = state.served_model_names[0]   # session.model names what serves it, not what the client asked for
     session = RealtimeSession(websocket, state.engine, state.renderer, state.metrics, hs, settings.limits,
                               audio=state.audio)
+    if "temperature" in state.sampling_defaults:   # the model's default (--generation-config) until the client sets one
+        session.config["temperature"] = state.sampling_defaults["temperature"]
     state.sessions[session.id] = session
     try:
         await session.run()

@@ -18,6 +18,11 @@ def serve_parser() -> argparse.ArgumentParser:
                     help="the model name(s) the API accepts and answers with (the first is reported in Realtime "
                          "sessions and /health); a request for another model gets a 404. Default: the model's own "
                          "name (--model as given, or SmolLM2-135M-Instruct)")
+    ap.add_argument("--generation-config", default="auto",
+                    help='sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, '
+                         'repetition_penalty): "auto" reads the model\'s generation_config.json (the embedded model: '
+                         'temperature 0.2, top_p 0.9), "vllm" uses none (temperature 1), or a folder or file with a '
+                         'generation_config.json. A client\'s own value always wins')
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=settings.raw("RTSERVE_API_KEY") or None,
@@ -104,7 +109,7 @@ def serve(argv: list[str]) -> int:
                         allowed_origins=origins, limits=limits, public_url=f"http://{ns.host}:{ns.port}",
                         audio=not ns.no_audio, chat_template=ns.chat_template,
                         tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                        served_model_name=ns.served_model_name)
+                        served_model_name=ns.served_model_name, generation_config=ns.generation_config)
     if ns.max_request_bytes:
         settings.max_request_bytes = ns.max_request_bytes
     uvicorn.run(create_app(settings), host=ns.host, port=ns.port, ws_max_size=WS_MAX_SIZE,

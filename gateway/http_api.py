@@ -238,8 +238,10 @@ def _structured_param(exc: InvalidRequestError, source: str | None) -> tuple[str
 
 def _sampling(req: hm.SamplingFields, engine, prompt_len: int,
               structured: tuple[StructuredOutputsParams | None, str | None],
-              tool_req: tl.ToolRequest | None = None, tool_call_parser: str = "hermes") -> SamplingParams:
+              tool_req: tl.ToolRequest | None = None, tool_call_parser: str = "hermes",
+              defaults: dict | None = None) -> SamplingParams:
     """A validated request -> SamplingParams; without a client cap the output may fill the rest of the context."""
+    defaults = defaults or {}
     context = engine.max_model_len
     room = context - prompt_len
     prompt_param = "messages" if isinstance(req, hm.ChatCompletionRequest) else "prompt"
@@ -255,12 +257,15 @@ def _sampling(req: hm.SamplingFields, engine, prompt_len: int,
     temperature = req.temperature
     if temperature is not None and temperature < GREEDY_BELOW:
         temperature = 0.0
-    kwargs = {"max_tokens": limit or room, "temperature": temperature, "top_p": req.top_p, "seed": req.seed,
+    kwargs = {"max_tokens": limit or room, "seed": req.seed,
               "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
               "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
+              "ignore_eos": req.ignore_eos, "stop_token_ids": req.stop_token_ids}
+    # the model's defaults (--generation-config) fill what the client left out; the client's own value wins
+    client = {"temperature": temperature, "top_p": req.top_p, "min_p": req.min_p,
               "top_k": -1 if req.top_k == 0 else req.top_k,   # vLLM: 0 and -1 both mean off
-              "min_p": req.min_p, "repetition_penalty": req.repetition_penalty, "ignore_eos": req.ignore_eos,
-              "stop_token_ids": req.stop_token_ids}
+              "repetition_penalty": req.repetition_penalty}
+    kwargs.update({k: defaults.get(k) if v is None else v for k, v in client.items()})
     kwargs["structured_outputs"], source = structured
     if tool_req is not None and tool_req.active:
         if source is not None:
@@ -379,7 +384,8 @@ async def _complete(request: Request, chat: bool) -> Response:
     if not prompt_ids:
         raise HTTPError(400, "The prompt is empty.", "invalid_value", "messages" if chat else "prompt")
     structured = _structured(req)
-    params = _sampling(req, engine, len(prompt_ids), structured, tool_req, state.tool_call_parser)
+    params = _sampling(req, engine, len(prompt_ids), structured, tool_req, state.tool_call_parser,
+                       state.sampling_defaults)
     if req.logprobs:   # chat: a boolean with top_logprobs; completions: the number of top entries
         params.logprobs = (req.top_logprobs or 0) if chat else req.logprobs
     parse_tools = tool_req is not None and tool_req.active

@@ -9,6 +9,7 @@ import uuid
 import httpx
 import openai
 import pytest
+import websockets
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionTokenLogprob
 from openai.types.completion_choice import Logprobs
@@ -197,3 +198,65 @@ async def test_cached_tokens_on_a_repeated_prompt(server):
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens_details.cached_tokens < cached < again.usage.prompt_tokens
     await server.wait_idle(pinned_ok=True)
+
+
+def test_generation_config_sources(tmp_path):
+    from gateway.generation_config import EMBEDDED_DEFAULTS, sampling_defaults
+
+    assert sampling_defaults("auto", tmp_path, embedded=True) == EMBEDDED_DEFAULTS   # no generation_config.json
+    assert sampling_defaults("auto", tmp_path, embedded=False) == {}
+    assert sampling_defaults("vllm", tmp_path, embedded=True) == {}
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_p": 0.95, "top_k": 0, "do_sample": true, "eos_token_id": 2}')
+    want = {"temperature": 0.6, "top_p": 0.95, "top_k": -1}
+    assert sampling_defaults("auto", tmp_path, embedded=True) == want
+    assert sampling_defaults(str(tmp_path), None, embedded=False) == want
+    for bad in ('{"temperature": -1}', "[1]", "{oops"):
+        (tmp_path / "generation_config.json").write_text(bad)
+        with pytest.raises(ValueError, match="generation-config"):
+            sampling_defaults("auto", tmp_path, embedded=False)
+    with pytest.raises(ValueError, match="generation-config"):
+        sampling_defaults(str(tmp_path / "missing"), None, embedded=False)
+
+
+async def test_generation_defaults_fill_only_what_the_client_left_out(server, tmp_path):
+    """The embedded model's defaults are in force on the product app; a generation config of temperature 0 makes a
+    request without a temperature greedy, and a client's own temperature still wins over it."""
+    from gateway.app import Settings, create_app
+    from gateway.generation_config import EMBEDDED_DEFAULTS
+
+    assert server.app.state.sampling_defaults == EMBEDDED_DEFAULTS
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0}')
+    app = create_app(Settings(generation_config=str(tmp_path), audio=False), engine=server.engine)
+    c = client(server)
+    for _ in range(2):   # the second reads the prompt from the cache, as the requests below do
+        greedy = await c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0)
+    sampled = await c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, seed=5, temperature=1.0,
+                                              top_p=1.0)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app/v1") as h:
+        g = AsyncOpenAI(api_key="unused", base_url="http://app/v1", http_client=h, max_retries=0)
+        by_default = await g.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, seed=5)
+        assert by_default.choices[0].message.content == greedy.choices[0].message.content
+        own = await g.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, seed=5, temperature=1.0,
+                                              top_p=1.0)
+        assert own.choices[0].message.content == sampled.choices[0].message.content
+    await server.wait_idle(pinned_ok=True)
+
+
+async def test_realtime_session_reports_the_served_name_and_default_temperature(server):
+    """A Realtime session names the served model, whatever the client asked for, and starts at the model's default
+    temperature (beta sessions show it); the client's own temperature wins."""
+    from gateway.generation_config import EMBEDDED_DEFAULTS
+    from tests.gateway.realtime.client import BETA_EVENTS, Raw
+
+    ws = await websockets.connect(server.realtime_url + "?model=gpt-4o-realtime-preview", max_size=None,
+                                  additional_headers={"OpenAI-Beta": "realtime=v1"})
+    async with ws:
+        raw = Raw(ws, BETA_EVENTS)
+        created = (await raw.recv())["session"]
+        assert created["temperature"] == EMBEDDED_DEFAULTS["temperature"]
+        assert (await raw.recv())["type"] == "conversation.created"
+        await raw.send({"type": "session.update", "session": {"temperature": 0.9}})
+        assert (await raw.recv())["session"]["temperature"] == 0.9
+    async with websockets.connect(server.realtime_url + "?model=gpt-realtime", max_size=None) as ws:
+        assert (await Raw(ws).recv())["session"]["model"] == MODEL

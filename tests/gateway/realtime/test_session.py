@@ -461,7 +461,7 @@ async def test_sdk_null_fields_mean_not_set(server, beta):
         updated = (await recv_validated(conn, adapter, seen))["session"]
         assert updated["instructions"] == instructions
         if beta:  # untouched by null: voice, temperature; null is "off" for VAD, transcription, noise reduction
-            assert updated["voice"] == created["session"]["voice"] and updated["temperature"] == 0.8
+            assert updated["voice"] == created["session"]["voice"] and updated["temperature"] == created["session"]["temperature"]
             assert updated["turn_detection"] is None and updated["input_audio_transcription"] is None
             assert updated["modalities"] == ["text"] and updated["max_response_output_tokens"] == 16
         else:
