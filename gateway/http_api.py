@@ -19,6 +19,11 @@ rejects is a 400 whose `param` names the field the client sent.
 Tools: `tools` / `tool_choice` / `parallel_tool_calls` on chat (gateway/tools.py: the tool prompt, the call grammar,
 the call parser); calls come back as `message.tool_calls` or streamed `delta.tool_calls`, finish_reason "tool_calls".
 
+Model names: requests name one of the served names (--served-model-name; default the model's own), else a 404
+`model_not_found`. `logprobs` come back in OpenAI's shapes (gateway/http_logprobs.py). `n` > 1 runs one engine request
+per choice on the same prompt, the first alone until its first token so the others find the prompt in the prefix
+cache. Sampling fields a request leaves out take the model's defaults (gateway/generation_config.py).
+
 Any other path under /v1/ is a JSON 404 (405 for a method a served route does not take), not the web demo's answer.
 """
 from __future__ import annotations
