@@ -19,7 +19,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from audio.stage import AudioStage
-from gateway import handshake, http_api, logs, tools
+from gateway import generation_config, handshake, http_api, logs, tools
 from gateway.guard import HostOriginGuard
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.realtime.conversation import PromptRenderer
@@ -45,6 +45,8 @@ class Settings:
     tool_call_parser: str | None = None  # "hermes" | "llama3_json"; None: detected from the chat template
     enable_auto_tool_choice: bool = True  # False: tool_choice "auto" is a 400, as in vLLM without the flag
     max_request_bytes: int = http_api.DEFAULT_MAX_REQUEST_BYTES   # HTTP API bodies above this get a 413
+    served_model_name: list[str] | None = None   # names clients use for the model; None: the model's own name
+    generation_config: str = "auto"   # sampling defaults: "auto" (the model's), "vllm" (none), or a path
 
 
 def create_app(settings: Settings | None = None, engine=None) -> Starlette:
@@ -73,6 +75,7 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
     routes = [
         WebSocketRoute("/v1/realtime", realtime_endpoint),
         Route("/v1/models", http_api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", http_api.model, methods=["GET"]),
         Route("/v1/chat/completions", http_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", http_api.completions, methods=["POST"]),
         Route("/health", http_api.health, methods=["GET"]),
@@ -125,6 +128,10 @@ def _attach(app: Starlette, engine) -> None:
         tokenizer = copy.deepcopy(tokenizer)
         tokenizer.chat_template = _read_template(settings.chat_template)
     app.state.engine = engine
+    app.state.served_model_names = list(settings.served_model_name or [engine.model_name])
+    app.state.sampling_defaults = generation_config.sampling_defaults(
+        settings.generation_config, getattr(getattr(engine, "engine", None), "model_dir", None),   # the LLMEngine's
+        embedded=settings.model is None)
     app.state.renderer = PromptRenderer(tokenizer)
     app.state.tool_call_parser = tools.resolve_tool_call_parser(settings.tool_call_parser, tokenizer.chat_template,
                                                                app.state.renderer.takes_tools())
@@ -185,8 +192,11 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
             await websocket.close(code=1008, reason=message)
         return
     await websocket.accept(subprotocol=hs.subprotocol)
+    hs.model = state.served_model_names[0]   # session.model names what serves it, not what the client asked for
     session = RealtimeSession(websocket, state.engine, state.renderer, state.metrics, hs, settings.limits,
                               audio=state.audio)
+    if "temperature" in state.sampling_defaults:   # the model's default (--generation-config) until the client sets one
+        session.config["temperature"] = state.sampling_defaults["temperature"]
     state.sessions[session.id] = session
     try:
         await session.run()

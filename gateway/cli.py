@@ -58,6 +58,15 @@ def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                     help="HF model directory or .gguf file, as in `vllm serve MODEL` (the same as --model)")
     ap.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    ap.add_argument("--served-model-name", nargs="+", default=None,
+                    help="the model name(s) the API accepts and answers with (the first is reported in Realtime "
+                         "sessions and /health); a request for another model gets a 404. Default: the model's own "
+                         "name (--model as given, or SmolLM2-135M-Instruct)")
+    ap.add_argument("--generation-config", default="auto",
+                    help='sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, '
+                         'repetition_penalty): "auto" reads the model\'s generation_config.json (the embedded model: '
+                         'temperature 0.2, top_p 0.9), "vllm" uses none (temperature 1), or a folder or file with a '
+                         'generation_config.json. A client\'s own value always wins')
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=8000, help="port to listen on (bound before the model loads)")
     ap.add_argument("--api-key", default=None,
@@ -285,7 +294,8 @@ def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
                         allowed_origins=origins, allowed_hosts=hosts, limits=limits,
                         public_url=f"http://{ns.host}:{sock.getsockname()[1]}",
                         audio=not ns.no_audio, chat_template=ns.chat_template,
-                        tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice)
+                        tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                        served_model_name=ns.served_model_name, generation_config=ns.generation_config)
     if ns.max_request_bytes:
         settings.max_request_bytes = ns.max_request_bytes
     app = create_app(settings)

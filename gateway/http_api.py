@@ -1,4 +1,4 @@
-"""OpenAI HTTP API: /v1/models, /v1/chat/completions, /v1/completions (streaming SSE and not), /health.
+"""OpenAI HTTP API: /v1/models (and /v1/models/{model}), /v1/chat/completions, /v1/completions (streaming SSE and not), /health.
 
 HTTP requests are batch traffic: they run at priority 1, behind realtime turns.
 
@@ -19,12 +19,18 @@ rejects is a 400 whose `param` names the field the client sent.
 Tools: `tools` / `tool_choice` / `parallel_tool_calls` on chat (gateway/tools.py: the tool prompt, the call grammar,
 the call parser); calls come back as `message.tool_calls` or streamed `delta.tool_calls`, finish_reason "tool_calls".
 
+Model names: requests name one of the served names (--served-model-name; default the model's own), else a 404
+`model_not_found`. `logprobs` come back in OpenAI's shapes (gateway/http_logprobs.py). `n` > 1 runs one engine request
+per choice on the same prompt, the first alone until its first token so the others find the prompt in the prefix
+cache. Sampling fields a request leaves out take the model's defaults (gateway/generation_config.py).
+
 Any other path under /v1/ is a JSON 404 (405 for a method a served route does not take), not the web demo's answer.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 from typing import Any
@@ -37,6 +43,7 @@ from starlette.routing import Match, Route, WebSocketRoute
 
 from engine import SamplingParams, StructuredOutputsParams
 from engine.errors import EngineDeadError, EngineError, InvalidRequestError, PromptTooLongError
+from gateway import http_logprobs as hl
 from gateway import http_models as hm
 from gateway import tools as tl
 from gateway.realtime import protocol as p
@@ -102,14 +109,33 @@ async def health(request: Request) -> Response:
         return json_response({"status": "loading"}, 503)
     if not engine.healthy:   # stopped on a step fault no request could be blamed for
         return json_response({"status": "error", "error": engine.error}, 503)
-    return json_response({"status": "ok", "model": engine.model_name})
+    return json_response({"status": "ok", "model": request.app.state.served_model_names[0]})
+
+
+def _model_card(request: Request, name: str) -> dict:
+    return {"id": name, "object": "model", "created": request.app.state.started, "owned_by": "rtserve"}
+
+
+def served_model(request: Request, name: str, param: str | None = "model") -> str:
+    """`name` if it is one of the names this server serves the model under (--served-model-name), else a 404."""
+    _engine(request)
+    if name not in request.app.state.served_model_names:
+        raise HTTPError(404, f"The model `{name}` does not exist; this server serves "
+                             f"{', '.join(request.app.state.served_model_names)}.", "model_not_found", param)
+    return name
 
 
 @endpoint
 async def models(request: Request) -> Response:
-    engine = _engine(request)
-    return json_response({"object": "list", "data": [
-        {"id": engine.model_name, "object": "model", "created": request.app.state.started, "owned_by": "rtserve"}]})
+    _engine(request)
+    return json_response({"object": "list", "data": [_model_card(request, name)
+                                                     for name in request.app.state.served_model_names]})
+
+
+@endpoint
+async def model(request: Request) -> Response:
+    """GET /v1/models/{model}: the SDK's `models.retrieve`."""
+    return json_response(_model_card(request, served_model(request, request.path_params["model"], None)))
 
 
 @endpoint
@@ -219,8 +245,10 @@ def _structured_param(exc: InvalidRequestError, source: str | None) -> tuple[str
 
 def _sampling(req: hm.SamplingFields, engine, prompt_len: int,
               structured: tuple[StructuredOutputsParams | None, str | None],
-              tool_req: tl.ToolRequest | None = None, tool_call_parser: str = "hermes") -> SamplingParams:
+              tool_req: tl.ToolRequest | None = None, tool_call_parser: str = "hermes",
+              defaults: dict | None = None) -> SamplingParams:
     """A validated request -> SamplingParams; without a client cap the output may fill the rest of the context."""
+    defaults = defaults or {}
     context = engine.max_model_len
     room = context - prompt_len
     prompt_param = "messages" if isinstance(req, hm.ChatCompletionRequest) else "prompt"
@@ -236,12 +264,15 @@ def _sampling(req: hm.SamplingFields, engine, prompt_len: int,
     temperature = req.temperature
     if temperature is not None and temperature < GREEDY_BELOW:
         temperature = 0.0
-    kwargs = {"max_tokens": limit or room, "temperature": temperature, "top_p": req.top_p, "seed": req.seed,
+    kwargs = {"max_tokens": limit or room, "seed": req.seed,
               "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
               "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
+              "ignore_eos": req.ignore_eos, "stop_token_ids": req.stop_token_ids}
+    # the model's defaults (--generation-config) fill what the client left out; the client's own value wins
+    client = {"temperature": temperature, "top_p": req.top_p, "min_p": req.min_p,
               "top_k": -1 if req.top_k == 0 else req.top_k,   # vLLM: 0 and -1 both mean off
-              "min_p": req.min_p, "repetition_penalty": req.repetition_penalty, "ignore_eos": req.ignore_eos,
-              "stop_token_ids": req.stop_token_ids}
+              "repetition_penalty": req.repetition_penalty}
+    kwargs.update({k: defaults.get(k) if v is None else v for k, v in client.items()})
     kwargs["structured_outputs"], source = structured
     if tool_req is not None and tool_req.active:
         if source is not None:
@@ -337,6 +368,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         req = hm.parse(hm.ChatCompletionRequest if chat else hm.CompletionRequest, await _read_body(request))
     except hm.RequestValidationError as exc:
         raise HTTPError(400, exc.message, exc.code, exc.param) from None
+    served_model(request, req.model)
     tool_req = None
     if chat:
         try:
@@ -359,47 +391,47 @@ async def _complete(request: Request, chat: bool) -> Response:
     if not prompt_ids:
         raise HTTPError(400, "The prompt is empty.", "invalid_value", "messages" if chat else "prompt")
     structured = _structured(req)
-    params = _sampling(req, engine, len(prompt_ids), structured, tool_req, state.tool_call_parser)
+    params = _sampling(req, engine, len(prompt_ids), structured, tool_req, state.tool_call_parser,
+                       state.sampling_defaults)
+    if req.logprobs:   # chat: a boolean with top_logprobs; completions: the number of top entries
+        params.logprobs = (req.top_logprobs or 0) if chat else req.logprobs
     parse_tools = tool_req is not None and tool_req.active
     rid = p.new_id("chatcmpl" if chat else "cmpl")
     created = int(time.time())
-    model = req.model or engine.model_name
-    gen = engine.generate(rid, prompt_ids, params, priority=HTTP_PRIORITY, cache_salt=req.cache_salt)
+    model = req.model
     timer = LatencyTimer(state.metrics, "http", asyncio.get_running_loop().time())
-    try:  # surface prompt errors (raised before the first output) as HTTP 400, not a broken stream
-        first = await _unless_gone(request, anext(gen))
-    except (PromptTooLongError, InvalidRequestError) as exc:
-        msg, param = _structured_param(exc, "tools" if parse_tools else structured[1])
-        raise HTTPError(400, msg, "context_length_exceeded" if isinstance(exc, PromptTooLongError)
-                        else "invalid_value", param) from None
-    except EngineError as exc:
-        raise _engine_failure(exc) from None
+    choices = await _start_choices(request, engine, rid, prompt_ids, params, req.n or 1, req.cache_salt,
+                                   "tools" if parse_tools else structured[1])
+    new_parser = (lambda: tl.new_tool_parser(state.tool_call_parser)) if parse_tools else None
+    tokenizer = engine.tokenizer if params.logprobs is not None else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(gen, first, rid, created, model, chat, include_usage, timer,
-                                         tl.new_tool_parser(state.tool_call_parser) if parse_tools else None),
+        return StreamingResponse(_stream(choices, rid, created, model, chat, include_usage, timer, new_parser,
+                                         tokenizer),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        text, out, n_out = await _unless_gone(request, _collect(gen, first, timer))
+        done = await _unless_gone(request, _collect_all(choices, timer))
     except EngineError as exc:
         raise _engine_failure(exc) from None
-    usage = _usage(out, n_out)
-    reason = "length" if out.finish_reason == "length" else "stop"
-    if chat:
-        message = {"role": "assistant", "content": text}
-        if parse_tools:
-            content, calls = tl.parse_output(message["content"], tl.new_tool_parser(state.tool_call_parser))
-            message["content"] = content if calls or content else ""
-            if calls:
-                message["tool_calls"] = calls
-                reason = "tool_calls" if reason == "stop" else reason
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        obj = "text_completion"
-    return json_response({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-                          "usage": usage})
+    out_choices = []
+    for i, (text, out, token_ids, logprobs) in enumerate(done):
+        reason = "length" if out.finish_reason == "length" else "stop"
+        if chat:
+            message = {"role": "assistant", "content": text}
+            if parse_tools:
+                content, calls = tl.parse_output(message["content"], new_parser())
+                message["content"] = content if calls or content else ""
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" else reason
+            lp = {"content": hl.chat_entries(tokenizer, token_ids, logprobs), "refusal": None} if tokenizer else None
+            out_choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
+        else:
+            lp = hl.completion_logprobs(tokenizer, token_ids, logprobs, 0)[0] if tokenizer else None
+            out_choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+    return json_response({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                          "model": model, "choices": out_choices,
+                          "usage": _usage([out for _, out, _, _ in done], [len(ids) for _, _, ids, _ in done])})
 
 
 def _engine_failure(exc: EngineError) -> HTTPError:
@@ -411,69 +443,162 @@ def _engine_failure(exc: EngineError) -> HTTPError:
     return HTTPError(500, "The engine failed while serving this request.", "engine_error", type="server_error")
 
 
-async def _collect(gen, first, timer) -> tuple[str, Any, int]:
-    """A non-streaming request's whole output: (text, last output, number of output tokens). Closing the generator
-    (this task cancelled) aborts the engine request."""
-    text, out, n_out = [], first, 0
+async def _start_choices(request: Request, engine, rid: str, prompt_ids: list[int], params: SamplingParams, n: int,
+                         cache_salt: str | None, source: str | None) -> list[tuple]:
+    """Start the request's n engine requests; (generator, first output) for each. The first runs alone until its
+    first output, so its prompt's full blocks are in the prefix cache when the others are admitted and they compute
+    only what is left. A prompt error (raised before the first output) is a 400, not a broken stream."""
+    choices = []
+    try:
+        for i in range(n):
+            sp = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            choices.append([engine.generate(rid if i == 0 else f"{rid}-{i}", prompt_ids, sp, priority=HTTP_PRIORITY,
+                                            cache_salt=cache_salt), None])
+            if i == 0:
+                choices[0][1] = await _unless_gone(request, anext(choices[0][0]))
+        if n > 1:
+            firsts = await _unless_gone(request, asyncio.gather(*(anext(g) for g, _ in choices[1:])))
+            for c, first in zip(choices[1:], firsts):
+                c[1] = first
+    except BaseException as exc:
+        for gen, _ in choices:   # abort the ones that started
+            await gen.aclose()
+        if isinstance(exc, (PromptTooLongError, InvalidRequestError)):
+            msg, param = _structured_param(exc, source)
+            raise HTTPError(400, msg, "context_length_exceeded" if isinstance(exc, PromptTooLongError)
+                            else "invalid_value", param) from None
+        if isinstance(exc, EngineError):
+            raise _engine_failure(exc) from None
+        raise
+    return [tuple(c) for c in choices]
+
+
+async def _collect_all(choices: list[tuple], timer) -> list[tuple]:
+    """Every choice's whole output, side by side; if one fails or this is cancelled, all are aborted."""
+    tasks = [asyncio.ensure_future(_collect(gen, first, timer if i == 0 else None))
+             for i, (gen, first) in enumerate(choices)]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(gen, first, timer) -> tuple[str, Any, list[int], list]:
+    """A non-streaming choice's whole output: (text, last output, output token ids, their logprobs). Closing the
+    generator (this task cancelled) aborts the engine request."""
+    text, out, token_ids, logprobs = [], first, [], []
     async with contextlib.aclosing(gen):
         while True:
-            n_out += len(out.new_token_ids)
+            token_ids += out.new_token_ids
+            logprobs += out.logprobs or ()
             if out.text_delta:
-                timer.mark(asyncio.get_running_loop().time())
+                if timer is not None:
+                    timer.mark(asyncio.get_running_loop().time())
                 text.append(out.text_delta)
             if out.finished:
                 break
             out = await anext(gen)
-    return "".join(text), out, n_out
+    return "".join(text), out, token_ids, logprobs
 
 
-def _usage(out, n_out: int) -> dict:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": n_out,
-            "total_tokens": out.num_prompt_tokens + n_out,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+def _usage(lasts: list, n_outs: list[int]) -> dict:
+    """OpenAI's usage for n choices of one prompt: the prompt counted once, the completions summed."""
+    first = lasts[0]
+    completion = sum(n_outs)
+    return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
 
 
-async def _stream(gen, first, rid: str, created: int, model: str, chat: bool, include_usage: bool, timer,
-                  parser: tl.ToolCallParser | None = None):
-    """SSE chunks; if the client goes away the generator is closed, which aborts the engine request. With a tool
-    parser, text goes through it: content as `delta.content`, calls as `delta.tool_calls`."""
+async def _merged(choices: list[tuple]):
+    """(index, output) from every choice's generator as they come. Closing this closes them all, which aborts their
+    engine requests; an engine error in one is raised here."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen, first) -> None:
+        try:
+            async with contextlib.aclosing(gen):
+                out = first
+                while True:
+                    q.put_nowait((i, out))
+                    if out.finished:
+                        return
+                    out = await anext(gen)
+        except Exception as exc:
+            q.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (gen, first) in enumerate(choices)]
+    try:
+        left = len(tasks)
+        while left:
+            i, out = await q.get()
+            if isinstance(out, Exception):
+                raise out
+            left -= out.finished
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _stream(choices: list[tuple], rid: str, created: int, model: str, chat: bool, include_usage: bool, timer,
+                  new_parser=None, tokenizer=None):
+    """SSE chunks of the n choices, interleaved as they come; if the client goes away the generators are closed,
+    which aborts the engine requests. With a tool parser, text goes through it: content as `delta.content`, calls as
+    `delta.tool_calls`. With a tokenizer, each chunk carries its tokens' logprobs."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | dict | None, reason: str | None, role: bool = False) -> bytes:
+    def chunk(i: int, delta: str | dict | None, reason: str | None, role: bool = False, logprobs=None) -> bytes:
         if chat:
             d = {"role": "assistant", "content": ""} if role else \
                 (delta if isinstance(delta, dict) else {"content": delta} if delta else {})
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+            choice = {"index": i, "delta": d, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": i, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
         body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if include_usage:
             body["usage"] = None
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
-    async with contextlib.aclosing(gen):
+    n = len(choices)
+    parsers = [new_parser() for _ in range(n)] if new_parser is not None else None
+    lasts, n_outs, offsets = [None] * n, [0] * n, [0] * n
+    async with contextlib.aclosing(_merged(choices)) as outputs:
         if chat:
-            yield chunk(None, None, role=True)
-        out, n_out = first, 0
-        while True:
-            n_out += len(out.new_token_ids)
+            for i in range(n):
+                yield chunk(i, None, None, role=True)
+        async for i, out in outputs:
+            lasts[i] = out
+            n_outs[i] += len(out.new_token_ids)
             reason = ("length" if out.finish_reason == "length" else "stop") if out.finished else None
-            if out.text_delta:
+            if out.text_delta and i == 0:
                 timer.mark(asyncio.get_running_loop().time())
-            if parser is not None:
+            logprobs = None
+            if tokenizer is not None and out.logprobs:
+                if chat:
+                    logprobs = {"content": hl.chat_entries(tokenizer, out.new_token_ids, out.logprobs),
+                                "refusal": None}
+                else:
+                    logprobs, offsets[i] = hl.completion_logprobs(tokenizer, out.new_token_ids, out.logprobs,
+                                                                  offsets[i])
+            if parsers is not None:
+                parser = parsers[i]
                 events = parser.feed(out.text_delta or "") + (parser.finish() if out.finished else [])
-                for delta in _tool_deltas(events):
-                    yield chunk(delta, None)
+                deltas = list(_tool_deltas(events))
+                for k, delta in enumerate(deltas):
+                    yield chunk(i, delta, None, logprobs=logprobs if k == 0 else None)
+                if logprobs is not None and not deltas:   # tokens the parser holds back still have their logprobs
+                    yield chunk(i, None, None, logprobs=logprobs)
                 if reason:
-                    yield chunk(None, "tool_calls" if parser.calls and reason == "stop" else reason)
-            elif out.text_delta or reason:
-                yield chunk(out.text_delta, reason)
-            if out.finished:
-                break
-            out = await anext(gen)
+                    yield chunk(i, None, "tool_calls" if parser.calls and reason == "stop" else reason)
+            elif out.text_delta or reason or logprobs is not None:
+                yield chunk(i, out.text_delta, reason, logprobs=logprobs)
         if include_usage:
             yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                            "choices": [], "usage": _usage(out, n_out)}) + b"\n\n"
+                                            "choices": [], "usage": _usage(lasts, n_outs)}) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
 

@@ -10,7 +10,7 @@ Unions are tagged by the JSON kind of the value (`_by_kind`) or by a `type` / `r
 start with "~" so that `_param()` can drop them from the error's location; a value of an unknown kind or tag goes to a
 member that cannot match it, so the error lands on the field the client must fix (`messages[2].role`, `tools[0].type`).
 
-Fields OpenAI defines that we do not implement (`n` > 1, `logprobs`, `logit_bias`, audio output...) are accepted at
+Fields OpenAI defines that we do not implement (`logit_bias`, `best_of` > 1, audio output...) are accepted at
 their neutral value and otherwise refused (`unsupported()`), never silently ignored. Advisory fields (`user`,
 `metadata`, `store`, `service_tier`, the prompt-cache hints...) are type-checked and have no effect.
 """
@@ -338,13 +338,10 @@ def unsupported(req: SamplingFields) -> None:
     def refuse(param: str, why: str, code: str = "unsupported_value"):
         raise RequestValidationError(f"Unsupported value for '{param}': {why}.", param, code)
 
-    if req.n not in (None, 1):
-        refuse("n", "only n=1 is supported")
     if isinstance(req, ChatCompletionRequest):
-        if req.logprobs:
-            refuse("logprobs", "log probabilities are not returned by this server yet")
-        if req.top_logprobs:
-            refuse("top_logprobs", "log probabilities are not returned by this server yet")
+        if req.top_logprobs and not req.logprobs:
+            raise RequestValidationError("Invalid 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is set.",
+                                         "top_logprobs", "invalid_value")
         if req.modalities is not None and "audio" in req.modalities:
             refuse("modalities", "audio output is not served over HTTP yet; use the Realtime API")
         for name in ("audio", "prediction", "functions", "function_call", "web_search_options"):
@@ -360,8 +357,6 @@ def unsupported(req: SamplingFields) -> None:
                 refuse(f"messages[{i}].{'audio' if m.audio is not None else 'function_call'}",
                        "not supported by this server")
     else:
-        if req.logprobs:
-            refuse("logprobs", "log probabilities are not returned by this server yet")
         if req.best_of not in (None, 1):
             refuse("best_of", "only best_of=1 is supported")
         if req.echo:

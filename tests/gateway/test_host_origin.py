@@ -42,7 +42,7 @@ async def test_foreign_host_refused_over_http_and_websocket(server):
     assert r.status_code == 403
     assert r.json()["error"]["code"] == "host_not_allowed" and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{server.base_url}/chat/completions", headers={"Host": foreign},
-                   json={"model": "x", "messages": [{"role": "user", "content": "hi"}]})
+                   json={"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
     with pytest.raises(websockets.InvalidStatus) as info:
         async with websockets.connect(f"ws://{foreign}/v1/realtime", host=server.host, port=server.port,
@@ -60,7 +60,7 @@ async def test_cross_site_browser_requests_refused(server):
     client = openai.OpenAI(base_url=server.base_url, api_key="x", default_headers={"Origin": f"http://{EVIL}"},
                            max_retries=0)
     with pytest.raises(openai.PermissionDeniedError) as info:
-        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     assert info.value.code == "origin_not_allowed"
     # no Origin (SDKs, curl) and same-origin pages pass, without CORS headers
     r = httpx.get(f"{server.base_url}/models")
@@ -104,7 +104,7 @@ async def test_allowed_origins_get_cors_and_others_none(listed_server):
     assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == APP_ORIGIN
     client = openai.OpenAI(base_url=listed_server.base_url, api_key="x", default_headers={"Origin": APP_ORIGIN})
     reply = client.with_raw_response.chat.completions.create(
-        model="x", messages=[{"role": "user", "content": "Say hi."}], max_tokens=2, temperature=0)
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Say hi."}], max_tokens=2, temperature=0)
     assert reply.headers["access-control-allow-origin"] == APP_ORIGIN
     assert reply.parse().choices[0].finish_reason in ("stop", "length")
     r = httpx.get(url, headers={"Origin": f"http://{EVIL}"})

@@ -9,6 +9,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+MODEL = "SmolLM2-135M-Instruct"  # the embedded model's own name: what the test server serves
 METRIC_NAMES = ["rtserve_sessions_active", "rtserve_requests_running", "rtserve_requests_waiting",
                 "rtserve_kv_pages_total", "rtserve_kv_pages_used", "rtserve_kv_pages_cached",
                 "rtserve_prefix_cache_queries_total", "rtserve_prefix_cache_hits_total",
@@ -23,7 +24,7 @@ def client(server, **kw) -> AsyncOpenAI:
 
 async def test_chat_completions_non_streaming(server):
     resp = await client(server).chat.completions.create(
-        model="anything", max_tokens=16, temperature=0,
+        model=MODEL, max_tokens=16, temperature=0,
         messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a planet."}])
     assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl_")
     choice = resp.choices[0]
@@ -35,7 +36,7 @@ async def test_chat_completions_non_streaming(server):
 
 async def test_chat_completions_streaming(server):
     stream = await client(server).chat.completions.create(
-        model="anything", max_tokens=16, seed=7, stream=True, stream_options={"include_usage": True},
+        model=MODEL, max_tokens=16, seed=7, stream=True, stream_options={"include_usage": True},
         messages=[{"role": "user", "content": "Say hello."}])
     text, reasons, usage = [], [], None
     async for chunk in stream:
@@ -52,10 +53,10 @@ async def test_chat_completions_streaming(server):
 
 async def test_completions_and_models(server):
     c = client(server)
-    resp = await c.completions.create(model="x", prompt="The capital of France is", max_tokens=8, temperature=0)
+    resp = await c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert resp.object == "text_completion" and resp.choices[0].text
     assert resp.usage.completion_tokens <= 8
-    chunks = [ch async for ch in await c.completions.create(model="x", prompt="One, two,", max_tokens=6,
+    chunks = [ch async for ch in await c.completions.create(model=MODEL, prompt="One, two,", max_tokens=6,
                                                              seed=7, stream=True)]
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
     models = await c.models.list()
@@ -65,10 +66,10 @@ async def test_completions_and_models(server):
 async def test_http_errors_and_auth(server):
     c = client(server)
     with pytest.raises(openai.BadRequestError) as info:
-        await c.chat.completions.create(model="x", messages=[])
+        await c.chat.completions.create(model=MODEL, messages=[])
     assert info.value.body["code"] == "invalid_value" and info.value.body["param"] == "messages"
     with pytest.raises(openai.BadRequestError):
-        await c.chat.completions.create(model="x", max_tokens=4, temperature=-3,
+        await c.chat.completions.create(model=MODEL, max_tokens=4, temperature=-3,
                                         messages=[{"role": "user", "content": "hi"}])
     async with httpx.AsyncClient() as h:
         r = await h.post(f"{server.base_url}/chat/completions", content=b"{oops")
@@ -82,7 +83,7 @@ async def test_http_errors_and_auth(server):
 
 
 async def test_metrics_exposition(server):
-    await client(server).chat.completions.create(model="x", max_tokens=4, extra_body={"ignore_eos": True},
+    await client(server).chat.completions.create(model=MODEL, max_tokens=4, extra_body={"ignore_eos": True},
                                                  messages=[{"role": "user", "content": "Hi"}])
     await server.wait_idle(pinned_ok=True)
     text = server.metrics_text()
@@ -110,7 +111,7 @@ async def test_streaming_client_disconnect_aborts(server):
     tokens = base["generated_tokens_total"]
     async with httpx.AsyncClient(timeout=60) as h:
         async with h.stream("POST", f"{server.base_url}/chat/completions", json={
-                "model": "x", "stream": True, "ignore_eos": True, "seed": 7,   # no max_tokens: the whole context
+                "model": MODEL, "stream": True, "ignore_eos": True, "seed": 7,   # no max_tokens: the whole context
                 "messages": [{"role": "user", "content": "Write a very long essay about the ocean."}]}) as r:
             assert r.status_code == 200
             seen = 0

@@ -16,6 +16,7 @@ from openai import AsyncOpenAI
 
 from gateway import tools as tl
 
+MODEL = "SmolLM2-135M-Instruct"  # the embedded model's own name: what the test server serves
 WEATHER_PARAMS = {
     "type": "object",
     "properties": {
@@ -86,7 +87,7 @@ async def test_forced_call_parsed_by_sdk_and_schema_valid(server, tool_choice):
     choice = NAMED if tool_choice == "named" else "required"
     names = ("get_weather",) if tool_choice == "named" else ("get_weather", "get_time")
     for seed in range(4):
-        r = await c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice=choice, seed=seed,
+        r = await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, seed=seed,
                                             max_tokens=200, parallel_tool_calls=False)
         ch = r.choices[0]
         assert ch.finish_reason == "tool_calls", ch
@@ -95,7 +96,7 @@ async def test_forced_call_parsed_by_sdk_and_schema_valid(server, tool_choice):
         check_calls(ch.message.tool_calls, names)
     # parallel calls allowed (the default): one or more calls, each valid, unless the budget cut the last one
     for seed in range(2):
-        r = await c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice=choice, seed=seed,
+        r = await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, seed=seed,
                                             max_tokens=200)
         ch = r.choices[0]
         calls = ch.message.tool_calls
@@ -112,7 +113,7 @@ async def test_forced_call_parsed_by_sdk_and_schema_valid(server, tool_choice):
 async def test_streamed_call_reassembles_to_the_same_call(server):
     c = client(server)
     for seed in range(3):
-        kwargs = dict(model="x", messages=ASK, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=200,
+        kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=200,
                       parallel_tool_calls=False)
         whole = await c.chat.completions.create(**kwargs)
         content, calls, reasons = await collect_stream(await c.chat.completions.create(stream=True, **kwargs))
@@ -123,7 +124,7 @@ async def test_streamed_call_reassembles_to_the_same_call(server):
         ref = whole.choices[0].message.tool_calls[0].function   # same seed, same tokens: the same call
         assert (calls[0]["name"], calls[0]["arguments"]) == (ref.name, ref.arguments)
     # the SDK's stream helper assembles the same call from the chunks
-    async with c.chat.completions.stream(model="x", messages=ASK, tools=TOOLS, tool_choice=NAMED, seed=7,
+    async with c.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED, seed=7,
                                          max_tokens=200, parallel_tool_calls=False) as stream:
         final = await stream.get_final_completion()
     ch = final.choices[0]
@@ -136,7 +137,7 @@ async def test_auto_is_text_or_a_valid_call(server):
     asks = [ASK, [{"role": "user", "content": "Tell me a one-line joke."}]]
     for seed in range(4):
         for messages in asks:
-            r = await c.chat.completions.create(model="x", messages=messages, tools=TOOLS, seed=seed,
+            r = await c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, seed=seed,
                                                 max_tokens=150)
             ch = r.choices[0]
             assert "<tool_call>" not in (ch.message.content or ""), ch.message.content
@@ -148,7 +149,7 @@ async def test_auto_is_text_or_a_valid_call(server):
             else:
                 assert ch.finish_reason in ("stop", "length") and isinstance(ch.message.content, str), ch
             content, calls, reasons = await collect_stream(await c.chat.completions.create(
-                model="x", messages=messages, tools=TOOLS, seed=seed, max_tokens=150, stream=True))
+                model=MODEL, messages=messages, tools=TOOLS, seed=seed, max_tokens=150, stream=True))
             assert "<tool_call" not in content and "</tool_call" not in content, content
             assert content == (ch.message.content or "")
             assert [(x["name"], x["arguments"]) for x in calls] == \
@@ -173,7 +174,7 @@ async def test_auto_opens_a_call_the_grammar_completes(server):
     """SmolLM2-135M rarely calls on its own; after three earlier tool turns it does (greedy), and the call the
     grammar completes comes back parsed, non-streamed and streamed alike."""
     c = client(server)
-    kwargs = dict(model="x", messages=few_shot(3), tools=TOOLS, temperature=0, max_tokens=100)
+    kwargs = dict(model=MODEL, messages=few_shot(3), tools=TOOLS, temperature=0, max_tokens=100)
     r = await c.chat.completions.create(**kwargs)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
@@ -198,7 +199,7 @@ async def test_round_trip_with_tool_result(server):
             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": "call_abc123", "content": "18 degrees and sunny"}]
-    r = await c.chat.completions.create(model="x", messages=history, tools=TOOLS, tool_choice="none",
+    r = await c.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
                                         temperature=0, max_tokens=300)
     ch = r.choices[0]
     assert ch.finish_reason == "stop" and ch.message.tool_calls is None and ch.message.content, ch
@@ -212,7 +213,7 @@ async def test_round_trip_with_tool_result(server):
     assert "<|im_start|>user\n<tool_response>\n18 degrees and sunny\n</tool_response><|im_end|>" in text, text
     assert "Function result" not in text and "<tools>" not in text   # none: no tool definitions rendered
     # auto: the definitions are in the system message, and the answer is text or a valid call
-    r = await c.chat.completions.create(model="x", messages=history, tools=TOOLS, temperature=0, max_tokens=300)
+    r = await c.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, temperature=0, max_tokens=300)
     text, ids = rendered(server, flat, tl.parse_request({"tools": TOOLS}))
     assert r.usage.prompt_tokens == len(ids)
     assert text.startswith("<|im_start|>system\n") and '<tools>\n{"type": "function", "function": {"name": ' \
@@ -226,8 +227,8 @@ async def test_round_trip_with_tool_result(server):
 
 async def test_tools_change_the_prompt(server):
     c = client(server)
-    plain = await c.chat.completions.create(model="x", messages=ASK, max_tokens=1, temperature=0)
-    with_tools = await c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice="required",
+    plain = await c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, temperature=0)
+    with_tools = await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                                  max_tokens=1, temperature=0)
     _, ids = rendered(server, ASK, tl.parse_request({"tools": TOOLS, "tool_choice": "required"}))
     assert with_tools.usage.prompt_tokens == len(ids) > plain.usage.prompt_tokens + 50
@@ -262,7 +263,7 @@ async def test_bad_tool_input_is_400_with_param_and_leaves_nothing_running(serve
     for fields, param in BAD:
         fields = {"messages": ASK, **fields}
         with pytest.raises(openai.BadRequestError) as info:
-            await c.chat.completions.create(model="x", max_tokens=8, **fields)
+            await c.chat.completions.create(model=MODEL, max_tokens=8, **fields)
         assert info.value.body["param"] == param, (fields, info.value.body)
     after = await server.wait_idle(pinned_ok=True)
     assert after["num_steps"] == before["num_steps"], "a rejected request reached the engine"
@@ -272,7 +273,7 @@ async def test_bad_tool_input_is_400_with_param_and_leaves_nothing_running(serve
     metrics = server.metrics_text()
     assert re.search(r"^rtserve_requests_running 0\.0$", metrics, re.M)
     # the server serves on
-    r = await c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=200,
+    r = await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=200,
                                         temperature=0, parallel_tool_calls=False)
     check_calls(r.choices[0].message.tool_calls, ("get_weather",))
 
@@ -317,7 +318,7 @@ async def test_llama31_template_forced_calls_streamed_and_not(llama_server):
     _, ids = rendered(llama_server, ASK, tl.parse_request({"tools": TOOLS, "tool_choice": "required"}))
     for choice, names in (("required", ("get_weather", "get_time")), (NAMED, ("get_weather",))):
         for seed in range(3):
-            kwargs = dict(model="x", messages=ASK, tools=TOOLS, tool_choice=choice, seed=seed, max_tokens=200)
+            kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, seed=seed, max_tokens=200)
             r = await c.chat.completions.create(**kwargs)
             ch = r.choices[0]
             assert r.usage.prompt_tokens == len(ids)   # rendered by Llama 3.1's template, tools in the user turn
@@ -335,7 +336,7 @@ async def test_llama31_template_forced_calls_streamed_and_not(llama_server):
 async def test_llama31_template_auto_and_round_trip(llama_server):
     c = client(llama_server)
     for seed in range(3):   # auto: text, or a call the grammar completes; no call JSON in the content either way
-        r = await c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, seed=seed, max_tokens=120)
+        r = await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, seed=seed, max_tokens=120)
         ch = r.choices[0]
         assert '"parameters"' not in (ch.message.content or ""), ch.message.content
         if ch.finish_reason == "tool_calls":
@@ -346,7 +347,7 @@ async def test_llama31_template_auto_and_round_trip(llama_server):
             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": "call_abc123", "content": "18 degrees and sunny"}]
-    r = await c.chat.completions.create(model="x", messages=history, tools=TOOLS, tool_choice="none",
+    r = await c.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
                                         temperature=0, max_tokens=60)
     ch = r.choices[0]
     assert ch.finish_reason in ("stop", "length") and ch.message.tool_calls is None and ch.message.content, ch
@@ -361,7 +362,7 @@ async def test_llama31_template_auto_and_round_trip(llama_server):
     # two calls in one assistant turn: the template refuses them, a 400 and not a 500
     two = ASK + [{"role": "assistant", "content": None, "tool_calls": [call, {**call, "id": "call_2"}]}]
     with pytest.raises(openai.BadRequestError) as info:
-        await c.chat.completions.create(model="x", messages=two, tools=TOOLS, max_tokens=8)
+        await c.chat.completions.create(model=MODEL, messages=two, tools=TOOLS, max_tokens=8)
     assert info.value.body["param"] == "messages" and "single tool-calls" in info.value.body["message"]
 
 
@@ -370,15 +371,15 @@ async def test_auto_tool_choice_disabled_is_vllms_400(llama_server):
     before = await llama_server.wait_idle(pinned_ok=True)
     for fields in ({}, {"tool_choice": "auto"}):   # auto is also the default when tools are sent
         with pytest.raises(openai.BadRequestError) as info:
-            await c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, max_tokens=8, **fields)
+            await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8, **fields)
         assert info.value.body["param"] == "tool_choice"
         assert '"auto" tool choice requires --enable-auto-tool-choice' in info.value.body["message"]
     after = await llama_server.wait_idle(pinned_ok=True)
     assert after["num_steps"] == before["num_steps"], "a rejected request reached the engine"
     # the forced choices do not need it
-    r = await c.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=200,
+    r = await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=200,
                                         temperature=0, parallel_tool_calls=False)
     check_calls(r.choices[0].message.tool_calls, ("get_weather",))
-    r = await c.chat.completions.create(model="x", messages=ASK, max_tokens=4, temperature=0)   # no tools: as before
+    r = await c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0)   # no tools: as before
     assert r.choices[0].message.content is not None
 

@@ -20,6 +20,7 @@ from openai import AsyncOpenAI
 from gateway.http_models import ChatCompletionRequest, CompletionRequest
 from tests.gateway.realtime.client import open_raw
 
+MODEL = "SmolLM2-135M-Instruct"  # the embedded model's own name: what the test server serves
 ABORTED_WITHIN = 256  # tokens an aborted request may still make between the client's leaving and the abort
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 PYTHON_TEXT = ("Traceback", "<class", "NoneType", "pydantic", "Input should", "object has no attribute",
@@ -102,13 +103,13 @@ NESTED_CHAT = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": 5}}}, "response_format.json_schema.name"),
     ({"tool_choice": {"type": "function", "function": {"name": 5}}}, "tool_choice.function.name"),
 ]
-UNSUPPORTED_CHAT = [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+UNSUPPORTED_CHAT = [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": False, "top_logprobs": 1}, "top_logprobs"),
                     ({"logit_bias": {"15": 5}}, "logit_bias"), ({"modalities": ["text", "audio"]}, "modalities"),
                     ({"min_tokens": 5}, "min_tokens"), ({"stream_options": {"include_usage": True}}, "stream_options"),
                     ({"messages": [{"role": "user", "content": [
                         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
                      "messages[0].content[0].type")]
-UNSUPPORTED_COMPLETIONS = [({"n": 3}, "n"), ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"),
+UNSUPPORTED_COMPLETIONS = [({"echo": True}, "echo"),
                            ({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"),
                            ({"prompt": ["one", "two"]}, "prompt")]
 SDK_CHAT = set(inspect.signature(AsyncOpenAI(api_key="x").chat.completions.create).parameters)
@@ -127,7 +128,7 @@ def test_the_tables_cover_every_field():
 
 async def _send(server, chat: bool, fields: dict) -> dict:
     """One request with `fields` over the defaults; returns the error object of its (required) 400."""
-    body = {"model": "x", "max_tokens": 4, **({"messages": MESSAGES} if chat else {"prompt": "Hi"}), **fields}
+    body = {"model": MODEL, "max_tokens": 4, **({"messages": MESSAGES} if chat else {"prompt": "Hi"}), **fields}
     sdk = SDK_CHAT if chat else SDK_COMPLETIONS
     if "stream" in fields:   # the SDK picks its response type by `stream`: send the exact value with httpx
         async with httpx.AsyncClient(timeout=60) as h:
@@ -163,7 +164,7 @@ async def test_every_field_wrong_type_and_out_of_range_is_400_with_param(server,
     for fields, param in UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETIONS:
         _check(await _send(server, chat, fields), param)
     for missing in ("model", "messages" if chat else "prompt"):
-        body = {"model": "x", "max_tokens": 4, **({"messages": MESSAGES} if chat else {"prompt": "Hi"})}
+        body = {"model": MODEL, "max_tokens": 4, **({"messages": MESSAGES} if chat else {"prompt": "Hi"})}
         del body[missing]
         async with httpx.AsyncClient(timeout=60) as h:
             r = await h.post(f"{server.base_url}/{'chat/completions' if chat else 'completions'}", json=body)
@@ -202,7 +203,7 @@ async def test_poison_requests_are_400_while_a_stream_completes(server):
     await raw.send({"type": "response.create"})
     want = 2 * len(POISON)
     stream = await client(server).chat.completions.create(
-        model="x", messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=want, seed=3,
+        model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=want, seed=3,
         stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     poisons, reasons, usage, chunks = iter(POISON), [], None, 0
     async for chunk in stream:
@@ -225,7 +226,7 @@ async def test_poison_requests_are_400_while_a_stream_completes(server):
 async def test_body_over_the_cap_is_413(server):
     from gateway.http_api import DEFAULT_MAX_REQUEST_BYTES
 
-    big = b'{"model": "x", "prompt": "' + b"a" * DEFAULT_MAX_REQUEST_BYTES + b'"}'
+    big = b'{"model": MODEL, "prompt": "' + b"a" * DEFAULT_MAX_REQUEST_BYTES + b'"}'
 
     async def chunked():   # no Content-Length: refused while reading
         for i in range(0, len(big), 65536):
@@ -244,7 +245,7 @@ async def test_body_over_the_cap_is_413(server):
 
     small = create_app(Settings(audio=False, max_request_bytes=1024), engine=server.engine)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=small), base_url="http://127.0.0.1") as h:
-        r = await h.post("/v1/completions", json={"model": "x", "prompt": "a" * 1024, "max_tokens": 1})
+        r = await h.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 1024, "max_tokens": 1})
         assert r.status_code == 413 and "1024 bytes" in r.json()["error"]["message"], r.text
     after = await server.wait_idle(pinned_ok=True)
     assert after["prompt_tokens_total"] == base["prompt_tokens_total"]
@@ -259,21 +260,21 @@ async def test_prompt_too_long_by_characters_and_max_tokens_beyond_the_context(s
     c = client(server)
     base = await server.wait_idle(pinned_ok=True)
     with pytest.raises(openai.BadRequestError) as info:
-        await c.completions.create(model="x", prompt="a" * (context * longest + 1), max_tokens=4)
+        await c.completions.create(model=MODEL, prompt="a" * (context * longest + 1), max_tokens=4)
     _check(info.value.body, "prompt", "context_length_exceeded")
     with pytest.raises(openai.BadRequestError) as info:
-        await c.chat.completions.create(model="x", max_tokens=4, messages=[
+        await c.chat.completions.create(model=MODEL, max_tokens=4, messages=[
             {"role": "user", "content": "b" * (context * longest // 2 + 1)},
             {"role": "user", "content": "c" * (context * longest // 2 + 1)}])
     _check(info.value.body, "messages", "context_length_exceeded")
     assert (await server.wait_idle(pinned_ok=True))["prompt_tokens_total"] == base["prompt_tokens_total"]
     for field in ("max_tokens", "max_completion_tokens"):
         with pytest.raises(openai.BadRequestError) as info:
-            await c.chat.completions.create(model="x", messages=MESSAGES, **{field: context})
+            await c.chat.completions.create(model=MODEL, messages=MESSAGES, **{field: context})
         _check(info.value.body, field, "invalid_value")
         assert str(context) in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        await c.completions.create(model="x", prompt="Hi", max_tokens=100_000)
+        await c.completions.create(model=MODEL, prompt="Hi", max_tokens=100_000)
     _check(info.value.body, "max_tokens", "invalid_value")
 
 
@@ -286,7 +287,7 @@ async def test_non_streaming_request_is_aborted_when_its_client_goes(server):
     async def post():
         async with httpx.AsyncClient(timeout=600) as h:
             await h.post(f"{server.base_url}/chat/completions", json={
-                "model": "x", "ignore_eos": True, "seed": 7,
+                "model": MODEL, "ignore_eos": True, "seed": 7,
                 "messages": [{"role": "user", "content": "Write a very long essay about the ocean."}]})
 
     task = asyncio.create_task(post())
@@ -305,7 +306,7 @@ async def test_non_streaming_request_is_aborted_when_its_client_goes(server):
 async def test_unknown_v1_routes_are_json_404_and_wrong_methods_405(server):
     c = client(server)
     with pytest.raises(openai.NotFoundError) as info:
-        await c.embeddings.create(model="x", input="hi")
+        await c.embeddings.create(model=MODEL, input="hi")
     assert info.value.body["code"] == "not_found" and "/v1/embeddings" in info.value.body["message"]
     async with httpx.AsyncClient(timeout=30) as h:
         for path in ("/v1/audio/speech", "/v1/responses", "/v1/nothing/here"):
@@ -330,18 +331,18 @@ async def test_neutral_and_advisory_fields_are_accepted(server):
     c = client(server)
     ask = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
            {"role": "user", "content": [{"type": "text", "text": "Name a color."}]}]
-    greedy = await c.chat.completions.create(model="x", messages=ask, max_tokens=8, temperature=0)
+    greedy = await c.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, temperature=0)
     r = await c.chat.completions.create(
-        model="x", messages=ask, max_completion_tokens=8, temperature=1e-9, n=1, logprobs=False, logit_bias={},
+        model=MODEL, messages=ask, max_completion_tokens=8, temperature=1e-9, n=1, logprobs=False, logit_bias={},
         modalities=["text"], user="u1", metadata={"k": "v"}, store=False, service_tier="auto",
         safety_identifier="s", prompt_cache_key="p", parallel_tool_calls=True, tool_choice="none",
         extra_body={"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 1, "cache_salt": "tenant-a",
                     "stop_token_ids": [], "ignore_eos": False})
     assert r.choices[0].message.content == greedy.choices[0].message.content
-    r = await c.completions.create(model="x", prompt=["Red, green,"], max_tokens=4, temperature=0, n=1, best_of=1,
+    r = await c.completions.create(model=MODEL, prompt=["Red, green,"], max_tokens=4, temperature=0, n=1, best_of=1,
                                    echo=False, logprobs=None, stop=["\n"], user="u1", seed=2**63 - 1)
     assert r.choices[0].text is not None and r.usage.completion_tokens <= 4
     # an assistant message the SDK gave back, as is, continues the conversation
-    again = await c.chat.completions.create(model="x", max_tokens=4, temperature=0, messages=[
+    again = await c.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
         *ask, greedy.choices[0].message.model_dump(), {"role": "user", "content": "Another?"}])
     assert again.usage.prompt_tokens > greedy.usage.prompt_tokens

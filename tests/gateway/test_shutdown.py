@@ -89,7 +89,8 @@ async def test_sigterm_drains_then_closes(process):
     # Realtime responses in flight (the key in the URL, as old relays send it) and one HTTP stream
     sessions = await asyncio.gather(*(start_long_reply(f"{url}?api-key={KEY}") for _ in range(SESSIONS)))
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{process.port}/v1", api_key=KEY, max_retries=0)
-    stream = await client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Count to 50."}],
+    stream = await client.chat.completions.create(model="SmolLM2-135M-Instruct",
+                                                  messages=[{"role": "user", "content": "Count to 50."}],
                                                   max_tokens=24, temperature=0, stream=True)
     chunks = [await anext(aiter(stream))]
 

@@ -112,7 +112,7 @@ async def chat_prompt_tokens(server, messages: list[dict]) -> int | None:
     HTTP API refuses them for not fitting the model's context."""
     async with httpx.AsyncClient(timeout=120) as h:
         r = await h.post(f"{server.base_url}/chat/completions",
-                         json={"model": "x", "max_tokens": 1, "messages": messages})
+                         json={"model": server.engine.model_name, "max_tokens": 1, "messages": messages})
     if r.status_code == 400 and "does not fit" in r.json()["error"]["message"]:
         return None
     assert r.status_code == 200, r.text

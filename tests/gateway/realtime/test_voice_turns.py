@@ -54,7 +54,7 @@ async def chat_prompt_tokens(server, messages: list[dict]) -> int:
     """The prompt length of `messages` as the HTTP API renders them (the same model's chat template)."""
     async with httpx.AsyncClient(timeout=120) as h:
         r = await h.post(f"{server.base_url}/chat/completions",
-                         json={"model": "x", "max_tokens": 1, "messages": messages})
+                         json={"model": server.engine.model_name, "max_tokens": 1, "messages": messages})
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens"]
 
