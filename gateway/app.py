@@ -19,7 +19,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from audio.stage import AudioStage
-from gateway import handshake, http_api, tools
+from gateway import audio_api, handshake, http_api, tools
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.realtime.conversation import PromptRenderer
 from gateway.realtime.session import RealtimeSession, SessionLimits
@@ -73,6 +73,8 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
         Route("/v1/models", http_api.models, methods=["GET"]),
         Route("/v1/chat/completions", http_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", http_api.completions, methods=["POST"]),
+        Route("/v1/audio/transcriptions", audio_api.transcriptions, methods=["POST"]),
+        Route("/v1/audio/speech", audio_api.speech, methods=["POST"]),
         Route("/health", http_api.health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/v1/{path:path}", http_api.not_served, methods=http_api.ALL_METHODS),  # JSON 404/405, not the demo
