@@ -596,3 +596,71 @@ async def speech(request: Request) -> Response:
         return StreamingResponse(_speech_events(chunks), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return StreamingResponse(await _first_then_rest(chunks), media_type=fmt.media_type)
+
+
+# ------------------------------------------------------------------------------------- chat input_audio parts
+INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "pcm16")  # OpenAI's are wav and mp3; pcm16 is 24 kHz raw
+
+
+async def input_audio_to_text(request: Request, body: bytes) -> bytes:
+    """A chat body whose user `input_audio` parts are replaced by text parts holding their transcripts (the shared
+    Whisper worker; the parts are transcribed together), so the rest of the chat path sees text. Bodies that are not
+    JSON objects are left to the request models to refuse."""
+    if b'"input_audio"' not in body:
+        return body
+    try:
+        raw = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    messages = raw.get("messages") if isinstance(raw, dict) else None
+    if not isinstance(messages, list):
+        return body
+    parts, audios = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) and m.get("role") == "user" else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") == "input_audio":
+                parts.append(part)
+                audios.append(await _input_audio(part, f"messages[{i}].content[{j}]"))
+    if not parts:
+        return body
+    streams = [_transcribe(request, a) for a in audios]
+    try:
+        texts = await asyncio.gather(*(s.result() for s in streams))
+    except TranscriptionError as exc:
+        raise HTTPError(500, str(exc), exc.code, type="server_error") from None
+    finally:
+        for s in streams:
+            await s.aclose()
+    for part, text in zip(parts, texts):
+        part.clear()
+        part.update({"type": "text", "text": text.strip()})
+    return orjson.dumps(raw)
+
+
+async def _input_audio(part: dict, param: str) -> np.ndarray:
+    unknown = sorted(set(part) - {"type", "input_audio"})
+    if unknown:
+        raise _bad(f"Unknown parameter: '{param}.{unknown[0]}'.", f"{param}.{unknown[0]}", "unknown_parameter")
+    spec, param = part.get("input_audio"), f"{param}.input_audio"
+    if not isinstance(spec, dict):
+        raise _bad(f"Invalid type for '{param}': expected an object with `data` and `format`.", param, "invalid_type")
+    unknown = sorted(set(spec) - {"data", "format"})
+    if unknown:
+        raise _bad(f"Unknown parameter: '{param}.{unknown[0]}'.", f"{param}.{unknown[0]}", "unknown_parameter")
+    fmt, data = spec.get("format"), spec.get("data")
+    if fmt not in INPUT_AUDIO_FORMATS:
+        raise _bad(f"Invalid value for '{param}.format': must be one of {', '.join(INPUT_AUDIO_FORMATS)}, got "
+                   f"{str(fmt)[:40]!r}.", f"{param}.format")
+    if not isinstance(data, str):
+        raise _bad(f"Invalid type for '{param}.data': expected a base64 string.", f"{param}.data", "invalid_type")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        raise _bad(f"Invalid value for '{param}.data': not valid base64.", f"{param}.data") from None
+    try:
+        audio, _ = await asyncio.to_thread(decode_upload, raw, f"audio.{'pcm' if fmt == 'pcm16' else fmt}", None)
+    except HTTPError as exc:
+        exc.param = f"{param}.data"
+        raise
+    return audio

@@ -242,3 +242,28 @@ async def test_uploads_share_whisper_with_a_live_voice_session(server):
     assert s["kv_pages_used"] <= engine_base["kv_pages_used"]
     metrics = server.metrics_text()
     assert "rtserve_transcriptions_inflight 0.0" in metrics and "rtserve_requests_running 0.0" in metrics
+
+
+async def test_chat_with_input_audio_is_answered_from_its_transcript(server):
+    wav = base64.b64encode(encoded(QUESTION, "WAV")).decode()
+    messages = [{"role": "system", "content": "Answer in one short sentence."},
+                {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}]}]
+    c = client(server)
+    spoken = await c.chat.completions.create(model="x", messages=messages, max_tokens=24, temperature=0)
+    typed = await c.chat.completions.create(model="x", max_tokens=24, temperature=0, messages=[
+        messages[0], {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}])
+    # the transcript is the user's text: greedy decoding answers the spoken question as it answers the typed one
+    assert spoken.choices[0].message.content == typed.choices[0].message.content
+    assert spoken.usage.prompt_tokens == typed.usage.prompt_tokens
+    bad = [({"data": "%%% not base64", "format": "wav"}, "messages[0].content[0].input_audio.data", "invalid_value"),
+           ({"data": base64.b64encode(b"junk" * 100).decode(), "format": "wav"},
+            "messages[0].content[0].input_audio.data", "invalid_audio_format"),
+           ({"data": wav, "format": "aac"}, "messages[0].content[0].input_audio.format", "invalid_value")]
+    base = await settled(server)
+    for spec, param, code in bad:
+        with pytest.raises(openai.BadRequestError) as info:
+            await c.chat.completions.create(model="x", max_tokens=4, messages=[
+                {"role": "user", "content": [{"type": "input_audio", "input_audio": spec}]}])
+        assert (info.value.body["param"], info.value.body["code"]) == (param, code), info.value.body
+    assert (await settled(server))["transcriber"]["requests"] == base["transcriber"]["requests"]
+    await server.wait_idle()
