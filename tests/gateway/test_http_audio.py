@@ -1,7 +1,7 @@
 """/v1/audio/transcriptions and /v1/audio/speech through the official openai SDK, on the shared Whisper and TTS workers.
 
-Uploads are piper's steady voice (tests/audio/speech.py: the same clip every run); transcripts are compared loosely (word
-error rate), as the Realtime voice tests do. Speech is decoded with soundfile and transcribed back."""
+Uploads are piper's steady voice (tests/audio/speech.py: the same clip every run); transcripts are compared loosely
+(word error rate), as the Realtime voice tests do. Speech is decoded with soundfile and transcribed back."""
 from __future__ import annotations
 
 import asyncio
@@ -129,7 +129,8 @@ def decode(body: bytes, fmt: str) -> tuple[np.ndarray, int]:
 
 
 async def transcribe_back(server, audio: np.ndarray, rate: int) -> str:
-    return (await client(server).audio.transcriptions.create(model="whisper-1", file=("a.wav", wav_of(audio, rate)))).text
+    out = await client(server).audio.transcriptions.create(model="whisper-1", file=("a.wav", wav_of(audio, rate)))
+    return out.text
 
 
 @pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "mp3", "opus"])
