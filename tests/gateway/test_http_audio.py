@@ -268,3 +268,17 @@ async def test_chat_with_input_audio_is_answered_from_its_transcript(server):
         assert (info.value.body["param"], info.value.body["code"]) == (param, code), info.value.body
     assert (await settled(server))["transcriber"]["requests"] == base["transcriber"]["requests"]
     await server.wait_idle()
+
+
+async def test_speech_client_leaving_mid_stream_drops_the_job(server):
+    base = await settled(server)
+    text = " ".join(["The quick brown fox jumps over the lazy dog and runs far away into the green woods."] * 20)
+    async with httpx.AsyncClient(timeout=120) as h:
+        async with h.stream("POST", f"{server.base_url}/audio/speech", json={
+                "model": "tts-1", "voice": "alloy", "input": text, "response_format": "pcm"}) as r:
+            assert r.status_code == 200
+            first = await r.aiter_bytes().__anext__()
+            assert first
+    # the job is dropped (at 4x real time its rest would take far longer than `settled` waits) and never completes
+    after = await settled(server)
+    assert after["tts"]["requests"] == base["tts"]["requests"]
