@@ -318,20 +318,23 @@ def get_synthesizer() -> Synthesizer:
 class SpeechClock:
     """A reply's audio timeline, shared by its pieces: the deadline by which its listener needs more audio.
 
-    ``paced=False`` (a caller that wants all the audio at once, not a listener): always due since it was created."""
+    ``paced=False`` (a caller that wants all the audio at once, not a listener): always due since it was created.
+    ``pace`` > 1: a listener that takes audio that many times faster than it plays (an HTTP download), so its later
+    audio is due sooner than a live listener's, yet a live reply's first audio still comes before it."""
 
-    __slots__ = ("created", "first_audio_at", "seconds_out", "paced")
+    __slots__ = ("created", "first_audio_at", "seconds_out", "paced", "pace")
 
-    def __init__(self, paced: bool = True) -> None:
+    def __init__(self, paced: bool = True, pace: float = 1.0) -> None:
         self.created = time.monotonic()
         self.first_audio_at: float | None = None
         self.seconds_out = 0.0  # audio produced so far
         self.paced = paced
+        self.pace = pace
 
     def deadline(self) -> float:
         if not self.paced:
             return self.created
-        return (self.first_audio_at or self.created) + self.seconds_out
+        return (self.first_audio_at or self.created) + self.seconds_out / self.pace
 
 
 class SpeechJob:

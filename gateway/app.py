@@ -19,7 +19,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from audio.stage import AudioStage
-from gateway import generation_config, handshake, http_api, logs, tools
+from gateway import audio_api, generation_config, handshake, http_api, logs, tools
 from gateway.guard import HostOriginGuard
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.realtime.conversation import PromptRenderer
@@ -78,6 +78,8 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
         Route("/v1/models/{model:path}", http_api.model, methods=["GET"]),
         Route("/v1/chat/completions", http_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", http_api.completions, methods=["POST"]),
+        Route("/v1/audio/transcriptions", audio_api.transcriptions, methods=["POST"]),
+        Route("/v1/audio/speech", audio_api.speech, methods=["POST"]),
         Route("/health", http_api.health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/v1/{path:path}", http_api.not_served, methods=http_api.ALL_METHODS),  # JSON 404/405, not the demo

@@ -364,8 +364,12 @@ async def completions(request: Request) -> Response:
 async def _complete(request: Request, chat: bool) -> Response:
     engine = _engine(request)
     state = request.app.state
+    body = await _read_body(request)
+    if chat:   # audio parts become their transcripts (imported here: audio_api builds on this module)
+        from gateway import audio_api
+        body = await audio_api.input_audio_to_text(request, body)
     try:
-        req = hm.parse(hm.ChatCompletionRequest if chat else hm.CompletionRequest, await _read_body(request))
+        req = hm.parse(hm.ChatCompletionRequest if chat else hm.CompletionRequest, body)
     except hm.RequestValidationError as exc:
         raise HTTPError(400, exc.message, exc.code, exc.param) from None
     served_model(request, req.model)

@@ -309,7 +309,7 @@ async def test_unknown_v1_routes_are_json_404_and_wrong_methods_405(server):
         await c.embeddings.create(model=MODEL, input="hi")
     assert info.value.body["code"] == "not_found" and "/v1/embeddings" in info.value.body["message"]
     async with httpx.AsyncClient(timeout=30) as h:
-        for path in ("/v1/audio/speech", "/v1/responses", "/v1/nothing/here"):
+        for path in ("/v1/audio/translations", "/v1/responses", "/v1/nothing/here"):
             r = await h.post(f"{server.root_url}{path}", json={})
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (path, r.text)
         r = await h.get(f"{server.base_url}/chat/completions")
