@@ -193,40 +193,51 @@ POISON = [  # issue 21: each of these reached the engine and failed its step for
 ]
 
 
-async def test_poison_requests_are_400_while_a_stream_completes(server):
-    """Each poison is refused while a stream is in flight (one is sent after each streamed chunk), and the stream
-    ends as it would alone: every token it asked for, finish_reason length. A Realtime response started alongside
-    ends normally too."""
+async def test_poison_requests_are_400_while_streams_complete(server):
+    """Each poison is refused while 4 HTTP streams and 4 Realtime responses are in flight (one poison after each chunk
+    of the first stream), and every one of them ends as it would alone: each stream every token it asked for,
+    finish_reason length; each Realtime response normally, with no error event."""
     base = await server.wait_idle(pinned_ok=True)
-    raw = await open_raw(server, max_output_tokens=64)
-    await raw.say("Write a long story about the sea.")
-    await raw.send({"type": "response.create"})
+    raws = []
+    for i in range(4):
+        raw = await open_raw(server, max_output_tokens=64)
+        await raw.say(f"Write a long story about the sea, number {i}.")
+        await raw.send({"type": "response.create"})
+        raws.append(raw)
     want = 2 * len(POISON)
-    stream = await client(server).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=want, seed=3,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    poisons, reasons, usage, chunks = iter(POISON), [], None, 0
-    async for chunk in stream:
-        chunks += 1
-        if chunk.usage is not None:
-            usage = chunk.usage
-        reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
-        if not reasons and (poison := next(poisons, None)) is not None:
-            chat, fields, param = poison
-            _check(await _send(server, chat, fields), param)
-    assert next(poisons, None) is None, "the stream ended before every poison was sent"
-    assert reasons == ["length"] and usage.completion_tokens == want, (reasons, usage)
-    events = await raw.until("response.done")
-    assert events[-1]["response"]["status"] in ("completed", "incomplete"), events[-1]
-    assert not [e for e in events if e["type"] == "error"]
-    await raw.ws.close()
-    await server.wait_idle(pages_used=base["kv_pages_used"])   # the session's pins released too
+    streams = [await client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"Tell me about the sea, part {i}."}], max_tokens=want,
+        seed=3, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        for i in range(4)]
+
+    async def drain(stream, poisons=None) -> tuple[list, object]:
+        reasons, usage = [], None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+            if poisons is not None and not reasons and (poison := next(poisons, None)) is not None:
+                chat, fields, param = poison
+                _check(await _send(server, chat, fields), param)
+        return reasons, usage
+
+    poisons = iter(POISON)
+    results = await asyncio.gather(drain(streams[0], poisons), *(drain(s) for s in streams[1:]))
+    assert next(poisons, None) is None, "the first stream ended before every poison was sent"
+    for reasons, usage in results:
+        assert reasons == ["length"] and usage.completion_tokens == want, (reasons, usage)
+    for raw in raws:
+        events = await raw.until("response.done")
+        assert events[-1]["response"]["status"] in ("completed", "incomplete"), events[-1]
+        assert not [e for e in events if e["type"] == "error"]
+        await raw.ws.close()
+    await server.wait_idle(pages_used=base["kv_pages_used"])   # the sessions' pins released too
 
 
 async def test_body_over_the_cap_is_413(server):
     from gateway.http_api import DEFAULT_MAX_REQUEST_BYTES
 
-    big = b'{"model": MODEL, "prompt": "' + b"a" * DEFAULT_MAX_REQUEST_BYTES + b'"}'
+    big = b'{"model": "' + MODEL.encode() + b'", "prompt": "' + b"a" * DEFAULT_MAX_REQUEST_BYTES + b'"}'
 
     async def chunked():   # no Content-Length: refused while reading
         for i in range(0, len(big), 65536):
