@@ -43,8 +43,8 @@ def run(text: str, status: str = "completed", step: int = 3) -> tuple[Recorder, 
     out = CallOutput(rec, resp)
     for i in range(0, len(text), step):   # in small pieces: tags and JSON split across deltas
         out.delta(text[i:i + step])
+    resp.status = status   # set when the engine's output finishes, before finish() (as ResponseRunner does)
     asyncio.run(out.finish())
-    resp.status = status
     out.done()
     for ev in rec.events:
         GA_EVENTS.validate_python(ev, strict=True)
@@ -84,3 +84,14 @@ def test_calls_only_and_a_call_cut_short():
     assert call.status == "incomplete" and call.arguments == '{"city": "Par'
     assert [e["type"] for e in rec.events][-3:] == ["response.function_call_arguments.done",
                                                      "response.output_item.done", "conversation.item.done"]
+
+
+def test_markup_cut_by_max_output_tokens_is_not_text():
+    """A reply cut while it may be opening another call (`<tool_`, or `<tool_call>` before the name) ends with its
+    calls only: the held-back markup never becomes a message; a reply that ends by itself keeps such a tail as text."""
+    for tail in ("\n<tool_", '\n<tool_call>\n{"na'):
+        rec, resp = run(CALL + tail, status="incomplete")
+        assert [(it.type, it.status) for it in resp.out_items] == [("function_call", "completed")], tail
+        assert not any(e["type"].startswith("response.output_text") for e in rec.events)
+    rec, resp = run("Is 2 <", status="completed")
+    assert resp.out_items[0].content == [{"type": "output_text", "text": "Is 2 <"}]
