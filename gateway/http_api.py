@@ -423,7 +423,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         if chat:
             message = {"role": "assistant", "content": text}
             if parse_tools:
-                content, calls = tl.parse_output(message["content"], new_parser())
+                content, calls = tl.parse_output(message["content"], new_parser(), cut=reason == "length")
                 message["content"] = content if calls or content else ""
                 if calls:
                     message["tool_calls"] = calls
@@ -590,7 +590,8 @@ async def _stream(choices: list[tuple], rid: str, created: int, model: str, chat
                                                                   offsets[i])
             if parsers is not None:
                 parser = parsers[i]
-                events = parser.feed(out.text_delta or "") + (parser.finish() if out.finished else [])
+                events = parser.feed(out.text_delta or "") + (tl.finish(parser, cut=out.finish_reason == "length")
+                                                               if out.finished else [])
                 deltas = list(_tool_deltas(events))
                 for k, delta in enumerate(deltas):
                     yield chunk(i, delta, None, logprobs=logprobs if k == 0 else None)

@@ -309,11 +309,18 @@ class ToolCallParser:
             self.content_started = True
 
 
-def parse_output(text: str, parser: ToolCallParser | None = None) -> tuple[str | None, list[dict]]:
+def finish(parser: ToolCallParser, cut: bool) -> list[tuple]:
+    """The parser's last events. An output cut by its token limit drops the text the parser still holds back: that
+    text is what may have become a call's markup (`<tool_`, or a call opened before its name), not reply text."""
+    events = parser.finish()
+    return [e for e in events if e[0] != "content"] if cut else events
+
+
+def parse_output(text: str, parser: ToolCallParser | None = None, cut: bool = False) -> tuple[str | None, list[dict]]:
     """The whole output -> (content or None, OpenAI tool_calls); `parser` is a fresh one of the call format (hermes
-    when not given)."""
+    when not given); `cut`: the output ended at its token limit."""
     parser = parser or ToolCallParser()
-    events = parser.feed(text) + parser.finish()
+    events = parser.feed(text) + finish(parser, cut)
     content = "".join(e[1] for e in events if e[0] == "content")
     calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
              for c in parser.calls]

@@ -91,12 +91,8 @@ class CallOutput:
         self._handle(self.parser.feed(text))
 
     async def finish(self) -> None:
-        events = self.parser.finish()   # a call still open here was cut short: done() closes it
-        if self.resp.status == "incomplete":
-            # Cut by max_output_tokens: the only text the parser still holds is what may have become a call's markup
-            # (`<tool_`, or a call opened before its name), so it is dropped rather than sent as the reply's text.
-            events = [ev for ev in events if ev[0] != "content"]
-        self._handle(events, at_end=True)
+        # a call still open here was cut short: done() closes it; markup cut by max_output_tokens is not reply text
+        self._handle(tl.finish(self.parser, cut=self.resp.status == "incomplete"), at_end=True)
         if hasattr(self.sink, "finish"):
             await self.sink.finish()   # the spoken text is heard before the response ends
 

@@ -345,3 +345,11 @@ def test_rendering_with_the_llama31_template(tokenizer):
     assert '<|start_header_id|>ipython<|end_header_id|>\n\n"18 degrees"<|eot_id|>' in text
     assert "You may call" not in text and "<tool_response>" not in text
     assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_markup_cut_by_the_token_limit_is_not_content():
+    """An output cut at max_tokens while it opened a call: the held-back markup is dropped, not returned as text; an
+    output that ended on its own keeps such a tail as text."""
+    for parser in (tl.ToolCallParser, lambda: tl.new_tool_parser("hermes")):
+        assert tl.parse_output("It is sunny. <tool_", parser(), cut=True) == ("It is sunny.", [])
+        assert tl.parse_output("It is sunny. <tool_", parser(), cut=False) == ("It is sunny. <tool_", [])
