@@ -30,7 +30,7 @@ import numpy as np
 import orjson
 import soundfile as sf
 from starlette.formparsers import MultiPartException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from audio.resample import resample
@@ -38,7 +38,7 @@ from audio.codecs import AudioFormat
 from audio.transcriber import TranscriptionError, TranscriptionStream
 from audio.tts import MAX_SPEED, MIN_SPEED, SpeechClock, TTSError
 from audio.whisper import SAMPLE_RATE, WINDOW_SAMPLES
-from gateway.http_api import HTTPError, endpoint, json_response
+from gateway.http_api import HTTPError, endpoint, json_response, read_capped
 
 MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's own limit for an audio upload
 MAX_AUDIO_SECONDS = 300.0  # ten Whisper windows: longer audio would hold the shared worker for too long
@@ -112,30 +112,12 @@ class TranscriptionRequest:
     stream: bool = False
 
 
-async def _read_capped(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    too_large = _bad(f"The request body is larger than this endpoint's limit of {limit} bytes.", None,
-                     "request_too_large", 413)
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise HTTPError(499, "client disconnected", "client_closed") from None
-    return b"".join(chunks)
-
-
 async def _form(request: Request):
     """The multipart form, from a body read under MAX_UPLOAD_BYTES (starlette parses it with python-multipart)."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise _bad("This endpoint takes a multipart/form-data body with the audio in `file`.", None,
                    "invalid_request_error")
-    body = await _read_capped(request, MAX_UPLOAD_BYTES)
+    body = await read_capped(request, MAX_UPLOAD_BYTES, f"this endpoint's limit of {MAX_UPLOAD_BYTES} bytes")
     sent = False
 
     async def replay() -> dict:
@@ -586,7 +568,8 @@ async def _first_then_rest(chunks):
 
 @endpoint
 async def speech(request: Request) -> Response:
-    req = _speech_request(await _read_capped(request, MAX_SPEECH_BODY_BYTES))
+    req = _speech_request(await read_capped(request, MAX_SPEECH_BODY_BYTES,
+                                                       f"this endpoint's limit of {MAX_SPEECH_BODY_BYTES} bytes"))
     stage = _stage(request)
     fmt = SPEECH_FORMATS[req.response_format]
     encoder = SpeechEncoder(fmt)

@@ -158,10 +158,14 @@ async def not_served(request: Request) -> Response:
 
 
 async def _read_body(request: Request) -> bytes:
-    """The body, refused with a 413 as soon as its Content-Length or the bytes read so far pass the cap."""
     limit = request.app.state.settings.max_request_bytes
-    too_large = HTTPError(413, f"The request body is larger than this server's limit of {limit} bytes "
-                               f"(--max-request-bytes).", "request_too_large")
+    return await read_capped(request, limit, f"this server's limit of {limit} bytes (--max-request-bytes)")
+
+
+async def read_capped(request: Request, limit: int, what: str) -> bytes:
+    """The body, refused with a 413 naming `what` as soon as its Content-Length or the bytes read so far pass `limit`;
+    ClientGone if the client leaves while it is read."""
+    too_large = HTTPError(413, f"The request body is larger than {what}.", "request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large

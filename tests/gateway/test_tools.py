@@ -35,20 +35,7 @@ def tokenizer():
 def test_streamed_parse_equals_whole_parse(text):
     content, calls = tl.parse_output(text)
     assert "<tool_call>" not in (content or "") or "junk" in content
-    for seed in range(20):
-        rng, parser, events, i = random.Random(seed), tl.ToolCallParser(), [], 0
-        while i < len(text):
-            n = rng.randint(1, 5)
-            events += parser.feed(text[i:i + n])
-            i += n
-        events += parser.finish()
-        assert ("".join(e[1] for e in events if e[0] == "content") or None) == content
-        args = {}
-        for e in events:
-            if e[0] == "args":
-                args[e[1]] = args.get(e[1], "") + e[2]
-        assert [e[3] for e in events if e[0] == "call"] == [c["function"]["name"] for c in calls]
-        assert [args.get(i, "") for i in range(len(calls))] == [c["function"]["arguments"] for c in calls]
+    check_streamed_equals_whole(text, tl.ToolCallParser, content, calls)
 
 
 def test_parse_output_shapes():
@@ -262,20 +249,7 @@ LLAMA_TEXTS = [LLAMA_CALL, "<|python_tag|>" + LLAMA_CALL, "Sure. " + LLAMA_CALL,
 @pytest.mark.parametrize("text", LLAMA_TEXTS)
 def test_llama3_json_streamed_parse_equals_whole_parse(text):
     content, calls = tl.parse_output(text, tl.new_tool_parser("llama3_json"))
-    for seed in range(20):
-        rng, parser, events, i = random.Random(seed), tl.new_tool_parser("llama3_json"), [], 0
-        while i < len(text):
-            n = rng.randint(1, 5)
-            events += parser.feed(text[i:i + n])
-            i += n
-        events += parser.finish()
-        assert ("".join(e[1] for e in events if e[0] == "content") or None) == content
-        args = {}
-        for e in events:
-            if e[0] == "args":
-                args[e[1]] = args.get(e[1], "") + e[2]
-        assert [e[3] for e in events if e[0] == "call"] == [c["function"]["name"] for c in calls]
-        assert [args.get(i, "") for i in range(len(calls))] == [c["function"]["arguments"] for c in calls]
+    check_streamed_equals_whole(text, lambda: tl.new_tool_parser("llama3_json"), content, calls)
 
 
 def test_llama3_json_parse_shapes():
@@ -353,3 +327,21 @@ def test_markup_cut_by_the_token_limit_is_not_content():
     for parser in (tl.ToolCallParser, lambda: tl.new_tool_parser("hermes")):
         assert tl.parse_output("It is sunny. <tool_", parser(), cut=True) == ("It is sunny.", [])
         assert tl.parse_output("It is sunny. <tool_", parser(), cut=False) == ("It is sunny. <tool_", [])
+
+
+def check_streamed_equals_whole(text: str, new_parser, content, calls) -> None:
+    """Fed in random pieces (20 seeds), the parser yields the content and calls that parsing the whole text does."""
+    for seed in range(20):
+        rng, parser, events, i = random.Random(seed), new_parser(), [], 0
+        while i < len(text):
+            n = rng.randint(1, 5)
+            events += parser.feed(text[i:i + n])
+            i += n
+        events += parser.finish()
+        assert ("".join(e[1] for e in events if e[0] == "content") or None) == content
+        args = {}
+        for e in events:
+            if e[0] == "args":
+                args[e[1]] = args.get(e[1], "") + e[2]
+        assert [e[3] for e in events if e[0] == "call"] == [c["function"]["name"] for c in calls]
+        assert [args.get(i, "") for i in range(len(calls))] == [c["function"]["arguments"] for c in calls]
