@@ -38,7 +38,7 @@ from audio.codecs import AudioFormat
 from audio.transcriber import TranscriptionError, TranscriptionStream
 from audio.tts import MAX_SPEED, MIN_SPEED, SpeechClock, TTSError
 from audio.whisper import SAMPLE_RATE, WINDOW_SAMPLES
-from gateway.http_api import HTTPError, endpoint, json_response, read_capped
+from gateway.http_api import HTTPError, endpoint, json_response, read_capped, unless_gone
 
 MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's own limit for an audio upload
 MAX_AUDIO_SECONDS = 300.0  # ten Whisper windows: longer audio would hold the shared worker for too long
@@ -276,27 +276,6 @@ def _transcribe(request: Request, audio: np.ndarray) -> TranscriptionStream:
         raise _bad(str(exc), "file", "invalid_audio_format") from None
 
 
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_gone(request: Request, coro):
-    """Await `coro`; if the client leaves first, cancel it (which drops its Whisper rows) and answer nobody."""
-    work, watch = asyncio.ensure_future(coro), asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-    if work.cancelled():
-        raise HTTPError(499, "client disconnected", "client_closed")
-    return work.result()
-
-
 async def _segments(request: Request, audio: np.ndarray) -> list[dict]:
     """Transcribe each 30 s window as its own row (they batch together); one segment per window with speech."""
     starts = [i for i in range(0, len(audio), WINDOW_SAMPLES) if i == 0 or len(audio) - i >= SAMPLE_RATE // 10]
@@ -359,7 +338,7 @@ async def transcriptions(request: Request) -> Response:
     if req.response_format in ("json", "text"):
         stream = _transcribe(request, req.audio)
         try:
-            text = await _unless_gone(request, stream.result())
+            text = await unless_gone(request, stream.result())
         except TranscriptionError as exc:
             raise HTTPError(500, str(exc), exc.code, type="server_error") from None
         finally:
@@ -368,7 +347,7 @@ async def transcriptions(request: Request) -> Response:
             return Response(text + "\n", media_type="text/plain")
         return json_response({"text": text, "usage": usage})
     try:
-        segments = await _unless_gone(request, _segments(request, req.audio))
+        segments = await unless_gone(request, _segments(request, req.audio))
     except TranscriptionError as exc:
         raise HTTPError(500, str(exc), exc.code, type="server_error") from None
     if req.response_format in ("srt", "vtt"):

@@ -188,8 +188,9 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def _unless_gone(request: Request, coro):
-    """Await `coro`, cancelling it (which aborts its engine request) and raising ClientGone if the client leaves."""
+async def unless_gone(request: Request, coro):
+    """Await `coro`; if the client leaves first, cancel it (which aborts its engine request, or drops its Whisper
+    rows) and raise ClientGone."""
     work = asyncio.ensure_future(coro)
     watch = asyncio.ensure_future(_until_disconnect(request))
     try:
@@ -418,7 +419,7 @@ async def _complete(request: Request, chat: bool) -> Response:
                                          tokenizer),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        done = await _unless_gone(request, _collect_all(choices, timer))
+        done = await unless_gone(request, _collect_all(choices, timer))
     except EngineError as exc:
         raise _engine_failure(exc) from None
     out_choices = []
@@ -463,9 +464,9 @@ async def _start_choices(request: Request, engine, rid: str, prompt_ids: list[in
             choices.append([engine.generate(rid if i == 0 else f"{rid}-{i}", prompt_ids, sp, priority=HTTP_PRIORITY,
                                             cache_salt=cache_salt), None])
             if i == 0:
-                choices[0][1] = await _unless_gone(request, anext(choices[0][0]))
+                choices[0][1] = await unless_gone(request, anext(choices[0][0]))
         if n > 1:
-            firsts = await _unless_gone(request, asyncio.gather(*(anext(g) for g, _ in choices[1:])))
+            firsts = await unless_gone(request, asyncio.gather(*(anext(g) for g, _ in choices[1:])))
             for c, first in zip(choices[1:], firsts):
                 c[1] = first
     except BaseException as exc:
