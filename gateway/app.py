@@ -5,6 +5,9 @@ import asyncio
 import contextlib
 import copy
 import logging
+import os
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,17 +59,14 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         owned = engine is None
-        if owned:
-            app.state.engine = await _load_engine(settings)
-            _attach(app, app.state.engine)
-            if app.state.audio is not None:  # Whisper loads in its thread; the TTS voice is loaded here
-                await app.state.audio.warmup()
-            if settings.public_url:
-                print(f"rtserve: ready on {settings.public_url}  (realtime: "
-                      f"{settings.public_url.replace('http', 'ws', 1)}/v1/realtime)", flush=True)
+        # The server answers while the model loads (/health: 503 with the stage, the API: 503 model_loading), so a
+        # person or an orchestrator can see it is alive and how far it got.
+        loading = asyncio.create_task(_load(app, settings)) if owned else None
         try:
             yield
         finally:
+            if loading is not None and not loading.done():
+                loading.cancel()
             if owned and app.state.audio is not None:
                 await asyncio.to_thread(app.state.audio.close)
             if owned and app.state.engine is not None:
@@ -90,6 +90,7 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
     app.state.settings = settings
     app.state.started = int(time.time())
     app.state.engine = None
+    app.state.loading_stage = "starting"
     # With an engine given (tests, embedding) the audio workers start on first use; else in the lifespan.
     app.state.audio = AudioStage() if settings.audio else None
     app.state.sessions = {}  # id -> live RealtimeSession (introspection for tests and debugging)
@@ -129,7 +130,6 @@ def _attach(app: Starlette, engine) -> None:
     if settings.chat_template is not None:   # a copy: the engine's tokenizer keeps the model's own template
         tokenizer = copy.deepcopy(tokenizer)
         tokenizer.chat_template = _read_template(settings.chat_template)
-    app.state.engine = engine
     app.state.served_model_names = list(settings.served_model_name or [engine.model_name])
     app.state.sampling_defaults = generation_config.sampling_defaults(
         settings.generation_config, getattr(getattr(engine, "engine", None), "model_dir", None),   # the LLMEngine's
@@ -137,6 +137,7 @@ def _attach(app: Starlette, engine) -> None:
     app.state.renderer = PromptRenderer(tokenizer)
     app.state.tool_call_parser = tools.resolve_tool_call_parser(settings.tool_call_parser, tokenizer.chat_template,
                                                                app.state.renderer.takes_tools())
+    app.state.engine = engine   # last: requests see the engine only with everything it needs
 
 
 def _read_template(template: str) -> str:
@@ -147,6 +148,25 @@ def _read_template(template: str) -> str:
     if "{" not in template:
         raise ValueError(f"--chat-template {template!r}: no such file, and not a Jinja template")
     return template
+
+
+async def _load(app: Starlette, settings: Settings) -> None:
+    """Load the engine, then warm the audio stage, then serve: the engine is published last, with all it needs."""
+    try:
+        app.state.loading_stage = "model"
+        engine = await _load_engine(settings)
+        if app.state.audio is not None:  # Whisper loads in its thread; the TTS voice is loaded here
+            app.state.loading_stage = "audio"
+            await app.state.audio.warmup()
+        _attach(app, engine)
+    except Exception as exc:   # nothing can be served: say why, and stop the server (SIGTERM: uvicorn's own exit)
+        app.state.loading_stage = f"failed: {exc}"
+        print(f"rtserve: loading failed: {exc}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    if settings.public_url:
+        print(f"rtserve: ready on {settings.public_url}  (realtime: "
+              f"{settings.public_url.replace('http', 'ws', 1)}/v1/realtime)", flush=True)
 
 
 async def _load_engine(settings: Settings):

@@ -1,0 +1,42 @@
+"""`rtserve serve` as a process answers while the model loads: /health is 503 with the loading stage, the API a 503
+`model_loading`; once the server prints that it is ready, /health is 200 and the API serves."""
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from tests.conftest import _free_port
+from tests.gateway.test_shutdown import Process
+
+
+def test_health_is_503_with_the_stage_while_loading_then_200():
+    port = _free_port()
+    proc = Process(["--port", str(port), "--no-audio", "--kv-cache-memory", "64MiB"])
+    base = f"http://127.0.0.1:{port}"
+    stages, models_status = [], None
+    try:
+        deadline = time.monotonic() + 600   # a bound for a slow machine, not a measure
+        while "rtserve: ready on" not in proc.output:
+            assert proc.proc.poll() is None and time.monotonic() < deadline, proc.output
+            try:
+                r = httpx.get(f"{base}/health", timeout=5)
+            except httpx.TransportError:   # the socket is bound before anything loads, but uvicorn may not be up yet
+                time.sleep(0.05)
+                continue
+            if r.status_code == 503:
+                assert r.json()["status"] == "loading", r.text
+                stages.append(r.json()["stage"])
+                if models_status is None:
+                    models = httpx.get(f"{base}/v1/models", timeout=5)
+                    models_status = (models.status_code, models.json()["error"]["code"])
+            time.sleep(0.05)
+        assert "model" in stages, stages   # seen while the engine loaded
+        assert models_status == (503, "model_loading")
+        r = httpx.get(f"{base}/health", timeout=5)
+        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+        assert httpx.get(f"{base}/v1/models", timeout=5).status_code == 200
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+        proc.proc.wait()
