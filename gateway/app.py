@@ -91,6 +91,7 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
     app.state.started = int(time.time())
     app.state.engine = None
     app.state.loading_stage = "starting"
+    app.state.loading_error = None   # why the model could not be loaded (the server then stops)
     # With an engine given (tests, embedding) the audio workers start on first use; else in the lifespan.
     app.state.audio = AudioStage() if settings.audio else None
     app.state.sessions = {}  # id -> live RealtimeSession (introspection for tests and debugging)
@@ -160,7 +161,7 @@ async def _load(app: Starlette, settings: Settings) -> None:
             await app.state.audio.warmup()
         _attach(app, engine)
     except Exception as exc:   # nothing can be served: say why, and stop the server (SIGTERM: uvicorn's own exit)
-        app.state.loading_stage = f"failed: {exc}"
+        app.state.loading_error = str(exc)
         print(f"rtserve: loading failed: {exc}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
         return

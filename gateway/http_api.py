@@ -106,10 +106,9 @@ def endpoint(fn):
 async def health(request: Request) -> Response:
     engine = getattr(request.app.state, "engine", None)
     if engine is None:
-        stage = request.app.state.loading_stage
-        if stage.startswith("failed"):
-            return json_response({"status": "error", "error": stage}, 503)
-        return json_response({"status": "loading", "stage": stage}, 503)
+        if request.app.state.loading_error is not None:
+            return json_response({"status": "error", "error": request.app.state.loading_error}, 503)
+        return json_response({"status": "loading", "stage": request.app.state.loading_stage}, 503)
     if not engine.healthy:   # stopped on a step fault no request could be blamed for
         return json_response({"status": "error", "error": engine.error}, 503)
     return json_response({"status": "ok", "model": request.app.state.served_model_names[0]})
