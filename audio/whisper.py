@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +26,8 @@ import torch
 
 import kernels
 from kernels import settings
+
+log = logging.getLogger("rtserve.audio")
 
 
 SAMPLE_RATE = 16_000
@@ -257,8 +259,7 @@ class WhisperModel:
             if not (model_dir / "model.bin").exists():
                 raise WhisperLoadError(f"no model.bin in {model_dir}")
             if not quiet:
-                print(f"rtserve: converting Whisper tiny.en from {model_dir / 'model.bin'} "
-                      f"into {cache_path} (once)...", file=sys.stderr, flush=True)
+                log.info("converting Whisper tiny.en from %s into %s (once) ...", model_dir / "model.bin", cache_path)
             t0 = time.perf_counter()
             sd, dims = ct2_to_hf_state_dict(read_ct2_model(model_dir / "model.bin"))
             cache_path.mkdir(parents=True, exist_ok=True)
@@ -268,7 +269,7 @@ class WhisperModel:
             os.replace(tmp, weights)
             cfg_file.write_text(json.dumps(dims))
             if not quiet:
-                print(f"rtserve: Whisper converted in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+                log.info("Whisper converted in %.1f s", time.perf_counter() - t0)
         dims = json.loads(cfg_file.read_text())
         config = WhisperConfig(**dims, begin_suppress_tokens=ct2_cfg.get("suppress_ids_begin", [220, EOT]),
                                tie_word_embeddings=True)

@@ -56,8 +56,10 @@ class ModelRunner:
         self.device = torch.device(device)
         t0 = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, self.device)
+        log.info("weights loaded in %.1f s (%s on %s)", time.perf_counter() - t0, dtype, device)
         if self.device.type == "cpu":
             cpu_ext.ops()   # build (first run on a machine) or load the C++ ops now, not mid-request
+        t1 = time.perf_counter()
         if gguf_file is not None:
             if self.device.type != "cpu":
                 raise ModelLoadError("quantization='gguf' runs on the CPU only (torch's 4-bit kernel for CPU)")
@@ -65,6 +67,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             self.model.pack_weights()
         self.load_seconds = time.perf_counter() - t0
+        if self.device.type == "cpu":
+            log.info("weights packed for the CPU kernels in %.1f s%s", time.perf_counter() - t1,
+                     " (decode on the GGUF file's Q4_1 blocks)" if gguf_file is not None else "")
         self.config = self.model.config
         self.page_size = page_size
         num_layers = len(self.model.layers)
@@ -74,6 +79,8 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds fewer than 2 pages of {per_page} bytes")
         self.kv_cache = kernels.empty_kv_cache((num_layers, 2, self.num_pages, page_size, self.model.num_kv_heads,
                                                 self.model.head_dim), self.dtype, self.device)
+        log.info("KV cache: %d tokens (%d pages of %d, %.0f MiB)", self.num_pages * page_size, self.num_pages,
+                 page_size, self.num_pages * per_page / 2**20)
         self.graphs: DecodeGraphs | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> bool:

@@ -7,7 +7,6 @@ import copy
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,8 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from audio.stage import AudioStage
-from gateway import audio_api, generation_config, handshake, http_api, logs, tools
+from gateway import audio_api, generation_config, handshake, http_api, logs, stats_log, tools
+from gateway.access_log import AccessLog
 from gateway.guard import HostOriginGuard
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.realtime.conversation import PromptRenderer
@@ -50,6 +50,7 @@ class Settings:
     max_request_bytes: int = http_api.DEFAULT_MAX_REQUEST_BYTES   # HTTP API bodies above this get a 413
     served_model_name: list[str] | None = None   # names clients use for the model; None: the model's own name
     generation_config: str = "auto"   # sampling defaults: "auto" (the model's), "vllm" (none), or a path
+    log_stats_interval: float = 0.0   # seconds between stats lines while busy (gateway/stats_log.py); 0: none
 
 
 def create_app(settings: Settings | None = None, engine=None) -> Starlette:
@@ -62,11 +63,14 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
         # The server answers while the model loads (/health: 503 with the stage, the API: 503 model_loading), so a
         # person or an orchestrator can see it is alive and how far it got.
         loading = asyncio.create_task(_load(app, settings)) if owned else None
+        stats = asyncio.create_task(stats_log.run(app.state, settings.log_stats_interval)) \
+            if settings.log_stats_interval > 0 else None
         try:
             yield
         finally:
-            if loading is not None and not loading.done():
-                loading.cancel()
+            for task in (loading, stats):
+                if task is not None and not task.done():
+                    task.cancel()
             if owned and app.state.audio is not None:
                 await asyncio.to_thread(app.state.audio.close)
             if owned and app.state.engine is not None:
@@ -103,10 +107,11 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
 
 
 def _middleware(settings: Settings) -> list[Middleware]:
-    """Host and Origin checks outermost (a refused request reaches nothing), then CORS headers for the listed
-    origins only."""
+    """The access line around everything, then the Host and Origin checks (a refused request reaches nothing
+    else), then CORS headers for the listed origins only."""
     logs.install()
-    middleware = [Middleware(HostOriginGuard, allowed_hosts=settings.allowed_hosts,
+    middleware = [Middleware(AccessLog),   # outermost: a refused request has its access line too
+                  Middleware(HostOriginGuard, allowed_hosts=settings.allowed_hosts,
                              allowed_origins=settings.allowed_origins)]
     if settings.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
@@ -152,42 +157,52 @@ def _read_template(template: str) -> str:
 
 
 async def _load(app: Starlette, settings: Settings) -> None:
-    """Load the engine, then warm the audio stage, then serve: the engine is published last, with all it needs."""
+    """Load the engine, then warm the audio stage, then serve: the engine is published last, with all it needs. Each
+    stage logs its time (the engine's own stages, GGUF conversion, weights, C++ ops, KV cache, log theirs)."""
+    start = time.monotonic()
     try:
         app.state.loading_stage = "model"
         engine = await _load_engine(settings)
         if app.state.audio is not None:  # Whisper loads in its thread; the TTS voice is loaded here
             app.state.loading_stage = "audio"
-            await app.state.audio.warmup()
+            t0 = time.monotonic()
+            await _alive(app.state.audio.warmup(), "audio", t0)
+            log.info("audio stage ready in %.1f s (VAD, Whisper, piper voice)", time.monotonic() - t0)
         _attach(app, engine)
     except Exception as exc:   # nothing can be served: say why, and stop the server (SIGTERM: uvicorn's own exit)
         app.state.loading_error = str(exc)
-        print(f"rtserve: loading failed: {exc}", file=sys.stderr, flush=True)
+        log.error("loading failed: %s", exc)
         os.kill(os.getpid(), signal.SIGTERM)
         return
     if settings.public_url:
-        print(f"rtserve: ready on {settings.public_url}  (realtime: "
-              f"{settings.public_url.replace('http', 'ws', 1)}/v1/realtime)", flush=True)
+        log.info("ready on %s  (realtime: %s/v1/realtime; started in %.1f s)", settings.public_url,
+                 settings.public_url.replace("http", "ws", 1), time.monotonic() - start)
+
+
+async def _alive(work, stage: str, start: float):
+    """Await `work` (run in a thread), saying every little while that the stage is still going, so a slow first
+    start (the C++ ops built, a model converted) is visibly alive between its stage lines."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=15.0)
+        if done:
+            return task.result()
+        log.info("still loading: %s (%.0f s)", stage, time.monotonic() - start)
 
 
 async def _load_engine(settings: Settings):
-    """Load the model in a thread, printing progress so a slow first load (GGUF conversion) is visibly alive."""
+    """Load the model in a thread."""
     from engine import AsyncEngine
 
     name = settings.model or "the embedded default model (SmolLM2-135M-Instruct)"
-    print(f"rtserve: loading {name} ...", flush=True)
+    log.info("loading %s ...", name)
     start = time.monotonic()
-    task = asyncio.create_task(asyncio.to_thread(AsyncEngine, model=settings.model, **settings.engine_args))
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=5.0)
-        if done:
-            break
-        print(f"rtserve: still loading ({time.monotonic() - start:.0f} s)", flush=True)
-    engine = task.result()
+    engine = await _alive(asyncio.to_thread(AsyncEngine, model=settings.model, **settings.engine_args), "model", start)
     stats = engine.stats()
-    print(f"rtserve: loaded {engine.model_name} in {time.monotonic() - start:.1f} s "
-          f"(max_model_len {engine.max_model_len}, {stats.get('kv_pages_total')} KV pages of "
-          f"{stats.get('kv_page_size')} tokens)", flush=True)
+    pages, page_size = stats.get("kv_pages_total"), stats.get("kv_page_size")
+    log.info("model %s loaded in %.1f s (max_model_len %d, KV cache %s tokens: %s pages of %s)", engine.model_name,
+             time.monotonic() - start, engine.max_model_len, pages * page_size if pages and page_size else "?",
+             pages, page_size)
     return engine
 
 
@@ -221,10 +236,13 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
     if "temperature" in state.sampling_defaults:   # the model's default (--generation-config) until the client sets one
         session.config["temperature"] = state.sampling_defaults["temperature"]
     state.sessions[session.id] = session
+    opened = time.monotonic()
     try:
         await session.run()
     finally:
         state.sessions.pop(session.id, None)
+        log.info('"WebSocket %s" session %s closed after %.1f s (%s)', websocket.url.path, session.id,
+                 time.monotonic() - opened, session.close_reason or "server closed")
     if session.close_reason != "client closed":  # we are ending it (slow reader): say why, without waiting long
         with contextlib.suppress(Exception):
             await asyncio.wait_for(websocket.close(code=1008, reason=(session.close_reason or "")[:120]), 1.0)

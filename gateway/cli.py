@@ -14,6 +14,8 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from gateway.logs import LOG_FORMATS   # logging and re only: this module stays light
+
 # `rtserve bench --help` lists these; each module's own `--help` explains its flags (tests/gateway/test_cli.py keeps
 # this list equal to the modules in bench/).
 BENCHMARKS = {
@@ -145,8 +147,16 @@ def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
                          'Qwen2.5 / Hermes, and rtserve\'s own tool prompt) or llama3_json (Llama 3.1\'s {"name", '
                          '"parameters"} JSON). Default: detected from the chat template')
     ap.add_argument("--log-level", default="info", choices=LOG_LEVELS[:-1], help="rtserve's own log level")
+    ap.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                    help="log lines on stderr as text, or json: one object per line with the keys time, level, "
+                         "logger, message and the line's own fields (an access line's status, ttft_ms, ...)")
+    ap.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                    help="seconds between the stats lines (throughput, running and waiting requests, KV cache use, "
+                         "prefix cache hit rate, sessions), logged only while the engine has work; 0: none")
+    ap.add_argument("--disable-log-stats", action="store_true", help="no stats lines (as --log-stats-interval 0)")
     ap.add_argument("--uvicorn-log-level", default=None, choices=LOG_LEVELS,
-                    help="uvicorn's log level (its access and connection lines); default: --log-level")
+                    help="uvicorn's log level (its connection lines; the access lines are rtserve's own); default: "
+                         "--log-level")
     return ap
 
 
@@ -255,6 +265,8 @@ def serve(argv: list[str], ns: argparse.Namespace | None = None) -> int:
     problem = check_model(ns)
     if problem:
         ap.error(problem)
+    if ns.log_stats_interval < 0:
+        ap.error(f"argument --log-stats-interval: must be >= 0 seconds, got {ns.log_stats_interval:g}")
     try:
         sock = bind_socket(ns.host, ns.port)
     except OSError as e:
@@ -270,8 +282,6 @@ def serve(argv: list[str], ns: argparse.Namespace | None = None) -> int:
 
 
 def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
-    import logging
-
     import uvicorn
 
     from gateway import logs
@@ -280,8 +290,7 @@ def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
     from gateway.realtime.session import SessionLimits
     from kernels import settings as env
 
-    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    logs.install()
+    logs.configure(ns.log_level, ns.log_format)
     limits = SessionLimits()
     if ns.send_queue_max:
         limits.send_queue_max = ns.send_queue_max
@@ -295,12 +304,15 @@ def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
                         public_url=f"http://{ns.host}:{sock.getsockname()[1]}",
                         audio=not ns.no_audio, chat_template=ns.chat_template,
                         tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                        served_model_name=ns.served_model_name, generation_config=ns.generation_config)
+                        served_model_name=ns.served_model_name, generation_config=ns.generation_config,
+                        log_stats_interval=0.0 if ns.disable_log_stats else ns.log_stats_interval)
     if ns.max_request_bytes:
         settings.max_request_bytes = ns.max_request_bytes
     app = create_app(settings)
+    # uvicorn's loggers go to the root handler (log_config=None); rtserve's access line, with timings, replaces
+    # uvicorn's own
     config = uvicorn.Config(app, ws_max_size=WS_MAX_SIZE, ws_per_message_deflate=ns.ws_compression,
-                            log_level=ns.uvicorn_log_level or ns.log_level,
+                            log_level=ns.uvicorn_log_level or ns.log_level, log_config=None, access_log=False,
                             timeout_graceful_shutdown=ns.shutdown_timeout)
     _draining_server()(config, lambda: drain(app, ns.shutdown_timeout)).run(sockets=[sock])
     return 0

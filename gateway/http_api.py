@@ -48,6 +48,7 @@ from gateway import http_models as hm
 from gateway import tools as tl
 from gateway.realtime import protocol as p
 from gateway.handshake import bearer_ok
+from gateway.access_log import record_usage, request_timing
 from gateway.metrics import LatencyTimer
 
 HTTP_PRIORITY = 1
@@ -410,7 +411,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     rid = p.new_id("chatcmpl" if chat else "cmpl")
     created = int(time.time())
     model = req.model
-    timer = LatencyTimer(state.metrics, "http", asyncio.get_running_loop().time())
+    timer = LatencyTimer(state.metrics, "http", asyncio.get_running_loop().time(), request_timing(request))
     choices = await _start_choices(request, engine, rid, prompt_ids, params, req.n or 1, req.cache_salt,
                                    "tools" if parse_tools else structured[1])
     new_parser = (lambda: tl.new_tool_parser(state.tool_call_parser)) if parse_tools else None
@@ -440,9 +441,10 @@ async def _complete(request: Request, chat: bool) -> Response:
         else:
             lp = hl.completion_logprobs(tokenizer, token_ids, logprobs, 0)[0] if tokenizer else None
             out_choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+    usage = _usage([out for _, out, _, _ in done], [len(ids) for _, _, ids, _ in done])
+    record_usage(timer.timing, usage)
     return json_response({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                          "model": model, "choices": out_choices,
-                          "usage": _usage([out for _, out, _, _ in done], [len(ids) for _, _, ids, _ in done])})
+                          "model": model, "choices": out_choices, "usage": usage})
 
 
 def _engine_failure(exc: EngineError) -> HTTPError:
@@ -608,9 +610,11 @@ async def _stream(choices: list[tuple], rid: str, created: int, model: str, chat
                     yield chunk(i, None, "tool_calls" if parser.calls and reason == "stop" else reason)
             elif out.text_delta or reason or logprobs is not None:
                 yield chunk(i, out.text_delta, reason, logprobs=logprobs)
+        usage = _usage(lasts, n_outs)
+        record_usage(timer.timing, usage)
         if include_usage:
             yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                            "choices": [], "usage": _usage(lasts, n_outs)}) + b"\n\n"
+                                            "choices": [], "usage": usage}) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
 

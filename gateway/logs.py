@@ -1,4 +1,10 @@
-"""Log hygiene: API keys never reach a log line, and uvicorn's false alarm after a refused handshake is dropped.
+"""The server's log output: one handler on the root logger (text or JSON lines), API keys never in a log line, and
+uvicorn's false alarm after a refused handshake dropped.
+
+Everything goes through `logging` to stderr: rtserve's own loggers (`rtserve.*`), and uvicorn's, which propagate to the
+root handler (the server runs uvicorn without a logging config of its own). `--log-format json` writes one JSON object
+per line with stable keys (`time`, `level`, `logger`, `message`, plus the record's own fields, e.g. an access line's
+`status` and `ttft_ms`) for log collectors.
 
 A key can arrive in a URL (`?api-key=K`, which uvicorn writes into its access lines), in the browser subprotocol
 (`openai-insecure-api-key.K`) or in an `Authorization` header (debug logs of the WebSocket library). The filter rewrites
@@ -7,7 +13,9 @@ each record's message and arguments in place, so uvicorn's own formatters (which
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 
 _SECRET = re.compile(r"(?i)((?:[?&](?:api[-_]?key|key|access_token|token)=)|openai-insecure-api-key\.|bearer\s+)"
                      r"[^&\s\"',;)\]]+")
@@ -44,6 +52,36 @@ class DropDenialNoise(logging.Filter):
 # Loggers that write request lines; a filter on a logger sees only what is logged on it, so each gets its own.
 _REQUEST_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "rtserve", "rtserve.session", "websockets",
                     "websockets.server")
+
+
+LOG_FORMATS = ("text", "json")
+TEXT_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"   # "INFO 12-01 21:04:33 rtserve: ready on ..."
+TEXT_DATEFMT = "%m-%d %H:%M:%S"
+JSON_KEYS = {"asctime": "time", "levelname": "level", "name": "logger"}
+
+
+def configure(level: str = "info", fmt: str = "text") -> None:
+    """One stderr handler on the root logger, in `fmt`; rtserve's loggers (and libraries') at `level`."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        # progress bars (a first GGUF conversion's) are not JSON lines
+        os.environ.setdefault("TQDM_DISABLE", "1")
+
+        handler.setFormatter(JsonFormatter("{asctime}{levelname}{name}{message}", style="{",
+                                           rename_fields=JSON_KEYS, datefmt="%Y-%m-%dT%H:%M:%S%z"))
+    elif fmt == "text":
+        handler.setFormatter(logging.Formatter(TEXT_FORMAT, TEXT_DATEFMT))
+    else:
+        raise ValueError(f"log format {fmt!r}: expected one of {LOG_FORMATS}")
+    root = logging.getLogger()
+    for old in root.handlers[:]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    logging.captureWarnings(True)   # Python warnings as log lines too, in the same format
+    install()
 
 
 def install() -> None:

@@ -123,15 +123,18 @@ class Metrics:
 
 
 class LatencyTimer:
-    """TTFT then inter-delta gaps for one request; `mark()` at each delta sent."""
-    __slots__ = ("metrics", "api", "start", "last")
+    """TTFT then inter-delta gaps for one request; `mark()` at each delta sent. With a `timing` record (an HTTP
+    request's, gateway/access_log.py) the first mark is also noted there, for the request's access line."""
+    __slots__ = ("metrics", "api", "start", "last", "timing")
 
-    def __init__(self, metrics: Metrics, api: str, start: float) -> None:
-        self.metrics, self.api, self.start, self.last = metrics, api, start, None
+    def __init__(self, metrics: Metrics, api: str, start: float, timing=None) -> None:
+        self.metrics, self.api, self.start, self.last, self.timing = metrics, api, start, None, timing
 
     def mark(self, now: float) -> None:
         if self.last is None:
             self.metrics.ttft.labels(self.api).observe(now - self.start)
+            if self.timing is not None:
+                self.timing.first_token = now
         else:
             self.metrics.itl.labels(self.api).observe(now - self.last)
         self.last = now

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+import time
 from pathlib import Path
 
 from engine.errors import ModelLoadError
@@ -17,6 +19,7 @@ from kernels import settings
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+log = logging.getLogger("rtserve.engine")
 
 
 def default_model_path() -> Path:
@@ -76,7 +79,9 @@ def convert_gguf(gguf: Path) -> Path:
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(f"unsupported GGUF architecture {config.model_type!r}; "
                              f"rtserve implements {sorted(SUPPORTED_ARCHITECTURES)}")
-    print(f"rtserve: converting {gguf.name} to safetensors once (cached in {out}) ...", flush=True)
+    # transformers draws a progress bar over the tensors it dequantizes
+    log.info("converting %s to safetensors once (cached in %s) ...", gguf.name, out)
+    t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     from safetensors.torch import save_file
@@ -94,4 +99,5 @@ def convert_gguf(gguf: Path) -> Path:
     tokenizer.save_pretrained(tmp)
     if not out.exists():
         tmp.rename(out)
+    log.info("converted %s in %.1f s", gguf.name, time.perf_counter() - t0)
     return out

@@ -1,5 +1,6 @@
 """`rtserve serve` as a process answers while the model loads: /health is 503 with the loading stage, the API a 503
-`model_loading`; once the server prints that it is ready, /health is 200 and the API serves."""
+`model_loading`; once the server prints that it is ready, /health is 200 and the API serves. The log shows each
+loading stage with its time."""
 from __future__ import annotations
 
 import time
@@ -36,6 +37,13 @@ def test_health_is_503_with_the_stage_while_loading_then_200():
         r = httpx.get(f"{base}/health", timeout=5)
         assert r.status_code == 200 and r.json()["status"] == "ok", r.text
         assert httpx.get(f"{base}/v1/models", timeout=5).status_code == 200
+        # each stage logged with its time, in order; the 503s answered while loading have their access lines
+        log = proc.output
+        stages = [log.index(s) for s in ("rtserve: loading ", "rtserve.engine: weights loaded in ",
+                                         "rtserve.engine: KV cache: ", "rtserve: model SmolLM2-135M-Instruct loaded",
+                                         "rtserve: ready on")]
+        assert stages == sorted(stages), log
+        assert '"GET /health" 503' in log and '"GET /v1/models" 503' in log, log
     finally:
         if proc.proc.poll() is None:
             proc.proc.kill()
