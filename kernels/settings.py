@@ -46,6 +46,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("RTSERVE_TTS_YIELD_SLACK_S", "0.4",
              "How much buffered speech lets a reply's synthesis yield to a reply someone is waiting on."),
     Variable("RTSERVE_TEST_DEVICE", "cpu", "Tests only: `cuda` runs the Triton tests compiled on a GPU."),
+    Variable("RTSERVE_ARTIFACTS", "",
+             "Tests only: the folder tests save screenshots in (the web demo's under `web_demo/`). Unset: "
+             "`rtserve-artifacts` in the system's temp folder."),
 )}
 
 

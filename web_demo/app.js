@@ -1,25 +1,51 @@
 // rtserve web demo: OpenAI Realtime (GA dialect) over a WebSocket, mic through an AudioWorklet, reply audio through Web
-// Audio with a small jitter buffer, barge-in with conversation.item.truncate. Plain ES module, no build step.
+// Audio with a small jitter buffer, barge-in with conversation.item.truncate. The conversation reads top to bottom with
+// the live turn last; tool calls (two demo tools run in the page) show inside their turn; the event log lists every
+// event sent and received. Plain ES module, no build step.
 //
 // Scripting hooks: every control and live region has a data-testid; window.rtserveDemo.state is a frozen snapshot
-// (connected, playbackStarted, lastLatencyMs, error, ...); window.rtserveDemo.{connect,disconnect,sendText,startMic,stopMic}.
+// (connected, playbackStarted, lastLatencyMs, error, model, toolCalls, ...);
+// window.rtserveDemo.{connect,disconnect,sendText,startMic,stopMic}.
 
 const RATE = 24000;
 const JITTER_LEAD_S = 0.15;   // delay before the first chunk of a reply plays (absorbs network/TTS jitter)
 const UNDERRUN_LEAD_S = 0.08; // delay used when the buffer ran dry mid-reply
 const TRANSCRIPTION_MODEL = 'whisper-1'; // the server maps it to its own Whisper
 const HOLD_MS = 350;          // push-to-talk: a press longer than this is "hold to talk", shorter is "tap to toggle"
+const EVENT_LOG_MAX = 500;    // entries kept in the event log (audio chunks arrive 25 a second each way)
+// The voice names the server accepts (gateway/audio_api.py VOICES; tests/web_demo keeps the two lists equal). They all
+// speak with the one piper voice it ships.
+const VOICES = ['alloy', 'ash', 'ballad', 'coral', 'echo', 'fable', 'onyx', 'nova', 'sage', 'shimmer', 'verse', 'marin',
+                'cedar', 'joe'];
+// Demo tools, run in the page: the model asks, the page answers with a function_call_output and asks for the reply.
+const TOOLS = {
+  get_time: {
+    description: "The user's current local date and time.",
+    parameters: { type: 'object', properties: {}, additionalProperties: false },
+    run: () => ({ time: new Date().toString(), timezone: Intl.DateTimeFormat().resolvedOptions().timeZone }),
+  },
+  get_weather: {
+    description: 'The current weather in a city.',
+    parameters: { type: 'object', required: ['city'], additionalProperties: false,
+                  properties: { city: { type: 'string', maxLength: 40 } } },
+    // a canned answer: the demo has no network access to a weather service
+    run: (args) => ({ city: args.city, forecast: 'sunny', temperature_c: 21 }),
+  },
+};
 
 const $ = (id) => document.getElementById(id);
 const ui = {
   status: $('status'),
   connect: $('connect'), mic: $('mic'), micLabel: $('mic-label'), micLevel: $('mic-level'), micHint: $('mic-hint'),
   textForm: $('text-form'), textInput: $('text-input'), send: $('send'),
-  user: $('user-transcript'), assistant: $('assistant-text'), history: $('history'),
+  chat: $('chat'), model: $('model'),
   vad: $('vad-indicator'), playback: $('playback'), latency: $('latency'),
   error: $('error'), errorText: $('error-text'), errorClose: $('error-close'),
   url: $('server-url'), key: $('api-key'), instructions: $('instructions'),
   voice: $('voice'), vadToggle: $('vad'), silence: $('silence'), maxTokens: $('max-tokens'),
+  voiceName: $('voice-name'), temperature: $('temperature'), tools: $('tools'), toolChoice: $('tool-choice'),
+  events: $('events'), eventList: $('event-list'), eventFilter: $('event-filter'), eventAudio: $('event-audio'),
+  eventClear: $('event-clear'), eventCount: $('event-count'),
 };
 
 // ---------------------------------------------------------------------------------------------------------------- state
@@ -46,8 +72,11 @@ const state = {
   truncationsAcked: 0,     // conversation.item.truncated events received
   audioSentMs: 0,          // mic audio appended to the server's input buffer in this session
   eventsReceived: 0,
+  eventsLogged: 0,         // events sent and received, all counted (the log keeps the last EVENT_LOG_MAX)
   lastEvent: null,
   error: null,             // last error message shown, or null
+  model: null,             // the model serving the session (session.created), or /v1/models' first before that
+  toolCalls: 0,            // tool calls the page ran
 };
 
 function snapshot() {
@@ -71,13 +100,19 @@ function loadSettings() {
   ui.vadToggle.checked = flag('vad', saved.vad ?? true);
   ui.silence.value = params.get('silence') || saved.silence || 500;
   ui.maxTokens.value = params.get('max_tokens') || saved.maxTokens || '';
+  for (const v of VOICES) ui.voiceName.append(new Option(v, v));
+  ui.voiceName.value = VOICES.includes(params.get('voice_name') || saved.voiceName) ? (params.get('voice_name') || saved.voiceName) : VOICES[0];
+  ui.temperature.value = params.get('temperature') || saved.temperature || '';
+  ui.tools.checked = flag('tools', saved.tools ?? true);
+  ui.toolChoice.value = ['auto', 'required', 'none'].includes(saved.toolChoice) ? saved.toolChoice : 'auto';
 }
 function saveSettings() {
   try {
     localStorage.setItem('rtserve-demo', JSON.stringify({
       url: ui.url.value === defaultUrl() ? undefined : ui.url.value,
       instructions: ui.instructions.value, voice: ui.voice.checked, vad: ui.vadToggle.checked,
-      silence: Number(ui.silence.value), maxTokens: ui.maxTokens.value,
+      silence: Number(ui.silence.value), maxTokens: ui.maxTokens.value, voiceName: ui.voiceName.value,
+      temperature: ui.temperature.value, tools: ui.tools.checked, toolChoice: ui.toolChoice.value,
     }));
   } catch (_) { /* private mode */ }
 }
@@ -92,12 +127,28 @@ function maxTokens() {
   return ui.maxTokens.value.trim() && Number.isFinite(v) && v > 0 ? Math.min(4096, v) : 'inf';
 }
 
+// The GA session has no temperature: the page sends it with each response.create it sends (typed turns,
+// push-to-talk, tool answers); replies that server VAD starts use the model's default.
+function temperature() {
+  const v = Number(ui.temperature.value);
+  return ui.temperature.value.trim() && Number.isFinite(v) ? Math.min(2, Math.max(0, v)) : null;
+}
+
+function toolsConfig() {
+  if (!ui.tools.checked) return { tools: [], tool_choice: 'auto' };
+  return {
+    tools: Object.entries(TOOLS).map(([name, t]) => ({ type: 'function', name, description: t.description, parameters: t.parameters })),
+    tool_choice: ui.toolChoice.value,
+  };
+}
+
 function sessionConfig() {
   return {
     type: 'realtime',
     output_modalities: ui.voice.checked ? ['audio'] : ['text'],
     instructions: ui.instructions.value,
     max_output_tokens: maxTokens(),
+    ...toolsConfig(),
     audio: {
       input: {
         format: { type: 'audio/pcm', rate: RATE },
@@ -106,7 +157,7 @@ function sessionConfig() {
           ? { type: 'server_vad', silence_duration_ms: silenceMs(), create_response: true, interrupt_response: true }
           : null,
       },
-      output: { format: { type: 'audio/pcm', rate: RATE } },
+      output: { format: { type: 'audio/pcm', rate: RATE }, voice: ui.voiceName.value },
     },
   };
 }
@@ -155,36 +206,57 @@ function showLatency() {
 }
 
 // --------------------------------------------------------------------------------------------------------------- turns
-// The card at the top shows the current turn (user line + assistant line); earlier turns move to the history list.
+// The conversation is a list of turns, oldest first; the live turn is the last one and carries the user-transcript and
+// assistant-text test ids. A turn: the user's line, the tool calls its replies made, the assistant's line.
 let cur = null;
 const turnByUserItem = new Map();
 const turnByResponse = new Map();
 
-function newTurn(kind) {
-  if (cur && (cur.user || cur.assistant)) archive(cur);
+function newTurn(kind, count = true) {
+  if (cur && !cur.user && !cur.assistant && cur.calls.length === 0) cur.el.remove(); // a turn that never had content
+  else if (cur) setLive(cur, false);
+  const li = document.createElement('li');
+  li.className = 'turn live';
+  li.innerHTML = '<div class="line user"><div class="who">You</div><div class="text"></div></div>' +
+                 '<div class="calls"></div>' +
+                 '<div class="line assistant"><div class="who">Assistant</div><div class="text"></div></div>';
+  const [userEl, assistantEl] = li.querySelectorAll('.text');
+  userEl.dataset.placeholder = 'Click the mic and talk, or type below.';
+  assistantEl.dataset.placeholder = 'The reply streams here.';
   cur = {
     user: '', userFinal: false, assistant: '', listening: kind === 'listening', interrupted: false, noSpeech: false,
-    anchor: null, firstText: null, firstAudio: null, responseId: null, userItem: null, el: null,
+    anchor: null, firstText: null, firstAudio: null, responseId: null, userItem: null,
+    el: li, userEl, assistantEl, callsEl: li.querySelector('.calls'), calls: [], awaitingToolAnswer: false,
   };
-  state.turns += 1;
+  setLive(cur, true);
+  ui.chat.append(li);
+  if (count) state.turns += 1;
   render(cur);
   return cur;
 }
 
-function archive(t) {
-  const li = document.createElement('li');
-  li.className = 'turn';
-  li.innerHTML = '<div class="line user"><div class="who">You</div><div class="text"></div></div>' +
-                 '<div class="line assistant"><div class="who">Assistant</div><div class="text"></div></div>';
-  t.el = li;
-  t.listening = false;
-  ui.history.prepend(li);
-  render(t);
+function setLive(t, live) {
+  t.el.classList.toggle('live', live);
+  if (live) {
+    t.userEl.id = 'user-transcript'; t.userEl.dataset.testid = 'user-transcript';
+    t.assistantEl.id = 'assistant-text'; t.assistantEl.dataset.testid = 'assistant-text';
+  } else {
+    for (const el of [t.userEl, t.assistantEl]) { el.removeAttribute('id'); delete el.dataset.testid; }
+    t.listening = false;
+    render(t);
+  }
 }
 
+// Keep the newest line in view, unless the user scrolled up to read.
+function scrollChat(wasAtEnd) {
+  if (wasAtEnd) ui.chat.scrollTop = ui.chat.scrollHeight;
+}
+function chatAtEnd() { return ui.chat.scrollHeight - ui.chat.scrollTop - ui.chat.clientHeight < 40; }
+
 function render(t) {
-  if (!t || (t !== cur && !t.el)) return; // a discarded empty turn
-  const [u, a] = t.el ? t.el.querySelectorAll('.text') : [ui.user, ui.assistant];
+  if (!t) return;
+  const atEnd = chatAtEnd();
+  const u = t.userEl, a = t.assistantEl;
   u.textContent = t.user;
   u.dataset.state = t.listening && !t.user ? 'listening' : t.noSpeech && !t.user ? 'nospeech' : t.user ? 'done' : 'empty';
   a.textContent = t.assistant;
@@ -194,6 +266,52 @@ function render(t) {
     state.userTranscriptFinal = t.userFinal;
     state.assistantText = t.assistant;
   }
+  scrollChat(atEnd);
+}
+
+// ---------------------------------------------------------------------------------------------------------- tool calls
+// A call shows in its turn as name(arguments) → result. Once the response that made the calls is done, the page sends
+// each result as a function_call_output item and asks for the reply that uses them (tool_choice none: an answer, not
+// another call).
+function showToolCall(t, call) {
+  const atEnd = chatAtEnd();
+  const div = document.createElement('div');
+  div.className = 'tool-call';
+  div.dataset.testid = 'tool-call';
+  div.dataset.name = call.name;
+  div.innerHTML = '<span class="tag">tool call</span> <code class="call"></code><div class="result"></div>';
+  div.querySelector('.call').textContent = `${call.name}(${call.arguments})`;
+  div.querySelector('.result').textContent = `→ ${JSON.stringify(call.output)}`;
+  t.callsEl.append(div);
+  scrollChat(atEnd);
+}
+
+function runToolCall(m) {
+  const tool = TOOLS[m.name];
+  let output;
+  try {
+    const args = m.arguments ? JSON.parse(m.arguments) : {};
+    output = tool ? tool.run(args) : { error: `unknown tool ${m.name}` };
+  } catch (e) {
+    output = { error: `bad arguments: ${e.message}` };
+  }
+  const t = turnForResponse(m.response_id);
+  const call = { name: m.name, arguments: m.arguments || '{}', callId: m.call_id, responseId: m.response_id, output };
+  if (t) { t.calls.push(call); showToolCall(t, call); }
+  state.toolCalls += 1;
+  return call;
+}
+
+function answerToolCalls(t, responseId) {
+  const calls = t ? t.calls.filter((c) => c.responseId === responseId && !c.answered) : [];
+  if (calls.length === 0) return;
+  for (const c of calls) {
+    c.answered = true;
+    send({ type: 'conversation.item.create',
+           item: { type: 'function_call_output', call_id: c.callId, output: JSON.stringify(c.output) } });
+  }
+  t.awaitingToolAnswer = true;
+  requestResponse({ tool_choice: 'none' });
 }
 
 function markFirstText(t) {
@@ -215,6 +333,79 @@ function markFirstAudio(t, wallTime) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------- event log
+// Every event sent (↑) and received (↓), newest last; a click on one shows its JSON (audio payloads shortened). Audio
+// chunks are hidden unless asked for; the filter matches event types.
+const AUDIO_CHUNKS = new Set(['input_audio_buffer.append', 'response.output_audio.delta', 'response.audio.delta']);
+const eventJson = new WeakMap(); // li -> the event, rendered to JSON only when opened
+
+function shortened(ev) {
+  if (typeof ev.audio === 'string' && ev.audio.length > 64) return { ...ev, audio: `<${ev.audio.length} base64 chars>` };
+  if (AUDIO_CHUNKS.has(ev.type) && typeof ev.delta === 'string') return { ...ev, delta: `<${ev.delta.length} base64 chars>` };
+  return ev;
+}
+
+function eventVisible(li) {
+  const f = ui.eventFilter.value.trim().toLowerCase();
+  if (li.dataset.audio && !ui.eventAudio.checked) return false;
+  return !f || li.dataset.type.toLowerCase().includes(f);
+}
+
+function logEvent(dir, ev) {
+  state.eventsLogged += 1;
+  ui.eventCount.textContent = String(state.eventsLogged);
+  const atEnd = ui.eventList.scrollHeight - ui.eventList.scrollTop - ui.eventList.clientHeight < 40;
+  const li = document.createElement('li');
+  li.dataset.dir = dir;
+  li.dataset.type = ev.type || '?';
+  li.dataset.testid = 'event';
+  if (AUDIO_CHUNKS.has(ev.type)) li.dataset.audio = '1';
+  if (ev.type === 'error' || (ev.type === 'response.done' && ev.response && ev.response.status === 'failed')) li.dataset.error = '1';
+  const d = document.createElement('details');
+  const summary = document.createElement('summary');
+  const t = new Date();
+  summary.innerHTML = '<span class="dir"></span><span class="type"></span><span class="time"></span>';
+  summary.querySelector('.dir').textContent = dir === 'client' ? '↑' : '↓';
+  summary.querySelector('.type').textContent = li.dataset.type;
+  summary.querySelector('.time').textContent = t.toTimeString().slice(0, 8) + '.' + String(t.getMilliseconds()).padStart(3, '0');
+  d.append(summary);
+  d.addEventListener('toggle', () => {
+    if (d.open && !d.querySelector('pre')) {
+      const pre = document.createElement('pre');
+      pre.dataset.testid = 'event-json';
+      pre.textContent = JSON.stringify(shortened(eventJson.get(li)), null, 2);
+      d.append(pre);
+    }
+  });
+  li.append(d);
+  eventJson.set(li, ev);
+  li.hidden = !eventVisible(li);
+  ui.eventList.append(li);
+  while (ui.eventList.childElementCount > EVENT_LOG_MAX) ui.eventList.firstElementChild.remove();
+  if (atEnd) ui.eventList.scrollTop = ui.eventList.scrollHeight;
+}
+
+function filterEvents() {
+  for (const li of ui.eventList.children) li.hidden = !eventVisible(li);
+}
+
+// ---------------------------------------------------------------------------------------------------------------- model
+function showModel(name) {
+  if (!name) return;
+  state.model = name;
+  ui.model.textContent = `model: ${name}`;
+}
+
+// Before a session: the page's own server names its model (a server that wants a key answers 401: wait for the session).
+async function fetchModel() {
+  try {
+    const r = await fetch('/v1/models', { headers: { Accept: 'application/json' } });
+    if (!r.ok) return;
+    const body = await r.json();
+    if (!state.model && body.data && body.data[0]) showModel(body.data[0].id);
+  } catch (_) { /* a page opened from a file, or another server: the session says it */ }
+}
+
 // ---------------------------------------------------------------------------------------------------------- websocket
 let ws = null;
 let userClosed = false;
@@ -223,6 +414,7 @@ let opened = false;
 function send(obj) {
   if (!ws || ws.readyState !== WebSocket.OPEN) return false;
   ws.send(JSON.stringify(obj));
+  logEvent('client', obj);
   return true;
 }
 
@@ -259,6 +451,7 @@ function connect() {
     try { msg = JSON.parse(ev.data); } catch (_) { return; }
     state.eventsReceived += 1;
     state.lastEvent = msg.type;
+    logEvent('server', msg);
     try { onEvent(msg); } catch (e) { console.error('rtserve demo: event handler failed', msg.type, e); }
   };
   sock.onerror = () => { /* the close event that follows carries the details */ };
@@ -313,6 +506,7 @@ function onEvent(m) {
     case 'session.created':
       state.connected = true;
       state.sessionId = (m.session && m.session.id) || null;
+      showModel(m.session && m.session.model);
       setConnection('connected');
       send({ type: 'session.update', session: sessionConfig() });
       break;
@@ -376,7 +570,8 @@ function onEvent(m) {
       state.playbackStarted = false;
       state.playedMs = 0;
       let t = cur;
-      if (!t || (t.responseId && t.responseId !== id) || t.assistant) t = newTurn('response');
+      if (t && t.awaitingToolAnswer) t.awaitingToolAnswer = false; // the answer to its tool calls: the same turn
+      else if (!t || (t.responseId && t.responseId !== id) || t.assistant) t = newTurn('response');
       t.responseId = id;
       if (t.anchor == null) t.anchor = performance.now();
       if (id) turnByResponse.set(id, t);
@@ -403,12 +598,17 @@ function onEvent(m) {
       if (startWall != null) markFirstAudio(t, startWall);
       break;
     }
+    case 'response.function_call_arguments.done':
+      if (!interrupted.has(m.response_id)) runToolCall(m);
+      break;
     case 'response.done': {
       const r = m.response || {};
       state.responseActive = false;
       state.cancelling = false;
-      if (pendingCreate) { pendingCreate = false; send({ type: 'response.create' }); }
       const t = turnForResponse(r.id);
+      if (pendingCreate) { send(responseCreate(pendingCreate)); pendingCreate = false; }
+      // a reply cut at its token cap still made its closed calls: answer them too
+      else if (r.status === 'completed' || r.status === 'incomplete') answerToolCalls(t, r.id);
       if (t && r.status === 'cancelled') { t.interrupted = true; render(t); }
       if (r.status === 'failed') {
         const d = r.status_details && (r.status_details.error || r.status_details);
@@ -429,7 +629,7 @@ function onEvent(m) {
         showError('This server runs without the audio stage, so the microphone is off: type your message instead.');
         break;
       }
-      showError(`Server error${e.code ? ` (${e.code})` : ''}: ${e.message || 'unknown error'}`);
+      showError(`Server error${e.code ? ` (${e.code})` : ''}${e.param ? ` in ${e.param}` : ''}: ${e.message || 'unknown error'}`);
       break;
     }
     default:
@@ -735,19 +935,25 @@ function onMicClick() {
 
 // One response at a time: a turn that arrives while a reply is still running cancels it, and its response.create waits
 // for that reply's response.done (the server refuses a second active response).
-let pendingCreate = false;
+let pendingCreate = false; // false, or the response fields of the response.create that waits
 function cancelActiveResponse() {
   if (state.responseActive && !state.cancelling) {
     state.cancelling = true;
     send({ type: 'response.cancel' });
   }
 }
-function requestResponse() {
+function responseCreate(fields) {
+  const response = { ...fields };
+  const temp = temperature();
+  if (temp != null) response.temperature = temp;
+  return Object.keys(response).length ? { type: 'response.create', response } : { type: 'response.create' };
+}
+function requestResponse(fields = {}) {
   if (state.responseActive) {
     cancelActiveResponse();
-    pendingCreate = true;
+    pendingCreate = fields;
   } else {
-    send({ type: 'response.create' });
+    send(responseCreate(fields));
   }
 }
 
@@ -776,7 +982,7 @@ function init() {
   setConnection('disconnected');
   micUi();
   showLatency();
-  render(cur);
+  newTurn('empty', false); // the live turn's placeholders, replaced by the first real turn
   ui.connect.addEventListener('click', () => (ws ? disconnect() : connect()));
   ui.textForm.addEventListener('submit', (e) => { e.preventDefault(); sendText(); });
   ui.mic.addEventListener('click', onMicClick);
@@ -788,10 +994,18 @@ function init() {
   });
   ui.mic.addEventListener('keyup', (e) => { if ((e.key === ' ' || e.key === 'Enter') && !vadOn()) onMicUp(); });
   ui.errorClose.addEventListener('click', clearError);
-  for (const el of [ui.instructions, ui.voice, ui.vadToggle, ui.silence, ui.maxTokens]) el.addEventListener('change', updateSession);
+  for (const el of [ui.instructions, ui.voice, ui.vadToggle, ui.silence, ui.maxTokens, ui.voiceName, ui.tools, ui.toolChoice]) {
+    el.addEventListener('change', updateSession);
+  }
+  ui.temperature.addEventListener('change', saveSettings); // sent with each response.create, not in the session
+  ui.eventFilter.addEventListener('input', filterEvents);
+  ui.eventAudio.addEventListener('change', filterEvents);
+  ui.eventClear.addEventListener('click', () => { ui.eventList.replaceChildren(); });
+  if (window.matchMedia('(max-width: 900px)').matches) ui.events.open = false; // phones: the conversation first
   ui.vadToggle.addEventListener('change', () => { if (state.talking) endTalk(false); });
   ui.url.addEventListener('change', saveSettings);
   window.addEventListener('beforeunload', () => { userClosed = true; if (ws) ws.close(1000); });
+  fetchModel();
   if (params.get('autoconnect') === '1') connect();
 }
 

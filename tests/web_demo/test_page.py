@@ -3,7 +3,8 @@
 Chromium's fake microphone plays a wav of words spoken by espeak-ng; the page streams it through its AudioWorklet to
 /v1/realtime, the gateway's VAD/Whisper/LLM/TTS answer, and we watch the page: transcript, reply text, audio playback
 (Playwright mutes the output, but the audio clock runs, so the page sees its own playback progress), barge-in and a typed
-turn. Screenshots go to tests/_output/web_demo/.
+turn; the conversation's order, the event log, the settings sent in session.update and a tool call shown in its turn.
+Screenshots go to $RTSERVE_ARTIFACTS/web_demo/ (default: a folder in the system's temp dir), not into the repository.
 """
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from kernels import settings
+
 ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "tests" / "_output" / "web_demo"
+OUT = Path(settings.raw("RTSERVE_ARTIFACTS") or Path(tempfile.gettempdir()) / "rtserve-artifacts") / "web_demo"
 CHROMIUM = "/usr/bin/chromium"
 RTSERVE = Path(sys.executable).parent / "rtserve"
 
@@ -232,10 +236,11 @@ def test_page_controls_and_typed_turn(gateway, browser, out_dir):
         assert re.search(r"text \d+ ms", pg.tid("latency").inner_text())
         print(f"typed turn reply: {reply!r}; latency {s['lastLatencyMs']} ms")
 
-        # A second typed turn: the first one moves to the history list, the new reply streams in the card.
+        # A second typed turn: it goes below the first, which keeps its text; the live turn is the last one.
         pg.typed_turn("Thank you. Say goodbye.")
-        assert pg.page.locator("#history li").count() == 1
-        assert TYPED in pg.page.locator("#history li").first.inner_text()
+        turns = pg.page.locator("#chat li.turn")
+        assert turns.count() == 2 and TYPED in turns.first.inner_text()
+        assert pg.page.locator("#chat li.turn.live").count() == 1 and "goodbye" in turns.last.inner_text()
         pg.page.screenshot(path=str(out_dir / "typed_turn.png"), full_page=True)
 
         # Phone width: nothing overflows sideways.
@@ -248,6 +253,97 @@ def test_page_controls_and_typed_turn(gateway, browser, out_dir):
         pg.wait("!window.rtserveDemo.state.connected", 10, "disconnect")
         assert pg.tid("status").get_attribute("data-state") == "disconnected"
         assert pg.state()["error"] is None
+        assert pg.errors == [], pg.errors
+    finally:
+        pg.close()
+
+
+def test_chat_order_event_log_settings_and_tool_call(gateway, browser, out_dir):
+    """The demo as a product: the served model's name in the header; turns read top to bottom with the live one last;
+    every event sent and received is in the event log, filterable, its JSON a click away; a changed voice goes out in
+    session.update and its session.updated shows in the log; the temperature rides on response.create; a tool call
+    (tool choice required) shows in its turn with the page's result, then the reply that uses it."""
+    from gateway.audio_api import VOICES
+
+    pg = Page(browser, gateway, viewport={"width": 1280, "height": 900})
+    try:
+        assert sorted(pg.page.eval_on_selector_all("#voice-name option", "os => os.map(o => o.value)")) == \
+            sorted(VOICES)   # the page offers the server's voice names
+        pg.settings(voice=False, max_tokens=MAX_TOKENS)
+        pg.connect()
+        pg.wait("window.rtserveDemo.state.model !== null", 10, "the model name")
+        assert pg.tid("model").inner_text() == "model: SmolLM2-135M-Instruct"
+        log = pg.page.locator("#event-list li")
+        pg.wait("document.querySelector('#event-list li[data-dir=server][data-type=\"session.updated\"]')", 10,
+                "session.updated in the event log")
+        assert log.first.get_attribute("data-type") == "session.created"   # the first event, at the top
+        assert pg.page.locator("#event-list li[data-dir=client][data-type='session.update']").count() == 1
+
+        first = pg.typed_turn(TYPED)
+        second = pg.typed_turn("Thank you. Now say goodbye.")
+        turns = pg.page.locator("#chat li.turn")
+        assert turns.count() == 2
+        boxes = [turns.nth(i).bounding_box() for i in range(2)]
+        assert boxes[0]["y"] < boxes[1]["y"], boxes   # the conversation reads top to bottom
+        assert TYPED in turns.nth(0).inner_text() and first in turns.nth(0).inner_text()
+        assert "goodbye" in turns.nth(1).inner_text() and second in turns.nth(1).inner_text()
+        assert "live" in turns.nth(1).get_attribute("class") and "live" not in turns.nth(0).get_attribute("class")
+        # ...and so does the event log: each turn's item, response.create and response.done, in that order
+        types = pg.page.eval_on_selector_all("#event-list li", "ls => ls.map(l => l.dataset.dir + ' ' + l.dataset.type)")
+        sent = [t for t in types if t in ("client conversation.item.create", "client response.create",
+                                         "server response.done")]
+        assert sent == ["client conversation.item.create", "client response.create", "server response.done"] * 2, types
+
+        # a setting changed while connected: session.update with the voice, session.updated in the log
+        updated = "#event-list li[data-dir=server][data-type='session.updated']"
+        before = pg.page.locator(updated).count()
+        pg.toggle_settings()
+        pg.tid("voice-name").select_option("echo")
+        pg.tid("temperature").fill("0.3")
+        pg.tid("temperature").dispatch_event("change")
+        pg.toggle_settings()
+        pg.wait(f"document.querySelectorAll(\"{updated}\").length > {before}", 30, "session.updated after the change")
+        entry = pg.page.locator(updated).last
+        entry.locator("summary").click()   # a click shows the event's JSON
+        shown = json.loads(entry.get_by_test_id("event-json").inner_text())
+        assert shown["session"]["audio"]["output"]["voice"] == "echo", shown
+        # the filter keeps only the matching events
+        pg.tid("event-filter").fill("session.updated")
+        visible = pg.page.eval_on_selector_all("#event-list li:not([hidden])", "ls => ls.map(l => l.dataset.type)")
+        assert visible and set(visible) == {"session.updated"}, visible
+        pg.tid("event-filter").fill("")
+
+        # a tool call: tool choice required, so the reply must call one of the demo tools
+        pg.toggle_settings()
+        pg.tid("tool-choice").select_option("required")
+        pg.toggle_settings()
+        pg.wait(f"document.querySelectorAll(\"{updated}\").length > {before + 1}", 30, "session.updated (tools)")
+        before_turns = pg.state()["turns"]
+        pg.tid("text-input").fill("What time is it now?")
+        pg.tid("send").click()
+        pg.wait(f"window.rtserveDemo.state.turns > {before_turns}", 60, "the turn to start")
+        pg.wait("window.rtserveDemo.state.toolCalls > 0", 120, "the tool call")
+        call = pg.page.locator("#chat li.turn.live [data-testid=tool-call]").first
+        assert call.get_attribute("data-name") in ("get_time", "get_weather")
+        assert "→" in call.inner_text()   # the page's result, shown under the call
+        pg.wait("(s => !s.responseActive && s.assistantText.trim().length > 0)(window.rtserveDemo.state)", 120,
+                "the reply that uses the tool's result")
+        types = pg.page.eval_on_selector_all("#event-list li", "ls => ls.map(l => l.dataset.dir + ' ' + l.dataset.type)")
+        assert "server response.function_call_arguments.done" in types
+        # the page answered the call and asked for the reply: no further call, at the temperature set above
+        output = pg.page.locator("#event-list li[data-dir=client][data-type='conversation.item.create']").last
+        output.locator("summary").click()
+        assert json.loads(output.get_by_test_id("event-json").inner_text())["item"]["type"] == "function_call_output"
+        create = pg.page.locator("#event-list li[data-dir=client][data-type='response.create']").last
+        create.locator("summary").click()
+        assert json.loads(create.get_by_test_id("event-json").inner_text())["response"] == \
+            {"tool_choice": "none", "temperature": 0.3}
+        s = pg.state()
+        assert s["error"] is None, s["error"]
+        pg.page.screenshot(path=str(out_dir / "product.png"), full_page=False)
+        pg.page.set_viewport_size({"width": 375, "height": 800})   # phone width: one column, nothing sideways
+        assert pg.page.evaluate("document.documentElement.scrollWidth") <= 375
+        pg.page.screenshot(path=str(out_dir / "product_phone.png"), full_page=True)
         assert pg.errors == [], pg.errors
     finally:
         pg.close()
@@ -291,10 +387,10 @@ def test_voice_turn_barge_in_and_typed_turn(gateway, browser, speech_wav, out_di
         assert not s["playing"], "playback must stop at once on barge-in"
         assert s["playedMs"] > 300
         assert pg.tid("playback").inner_text().startswith("interrupted at")
-        # The interrupted turn moved to the history, marked as interrupted; the new utterance is transcribed too.
+        # The interrupted turn, marked as interrupted, is no longer the live one; the new utterance is transcribed too.
         pg.wait("window.rtserveDemo.state.truncationsAcked > 0", 60, "conversation.item.truncated from the server")
         pg.wait("window.rtserveDemo.state.userTranscript.trim().length > 0", 90, "the second transcript")
-        assert pg.page.locator("#history li .text[data-state=interrupted]").count() >= 1
+        assert pg.page.locator("#chat li.turn:not(.live) .text[data-state=interrupted]").count() >= 1
         pg.wait("window.rtserveDemo.state.assistantText.trim().length > 0", 90, "the reply to the second utterance")
 
         # Typed turn on the same session while that (long) reply still runs: the page cancels it, waits for its
