@@ -1,6 +1,7 @@
 """`rtserve serve --log-format json` as a process: every line on its output is one JSON object with the stable keys;
 the startup stages are logged with their times; each HTTP request has one access line with its timings and token
-counts; no API key is logged; the periodic stats line is silent while idle and appears, with its fields, under traffic."""
+counts; no API key is logged; the periodic stats line is silent while idle and appears, with its fields, under
+traffic."""
 from __future__ import annotations
 
 import asyncio

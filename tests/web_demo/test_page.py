@@ -36,6 +36,7 @@ SPOKEN_KEYWORDS = ("story", "dragon")
 TYPED = "What is the capital of France?"
 MAX_TOKENS = 40     # typed turns: short replies
 STORY_TOKENS = 120  # the story we talk over: long enough to still be playing
+EVENT_TYPES = "ls => ls.map(l => l.dataset.dir + ' ' + l.dataset.type)"   # the event log: "client|server TYPE"
 STORYTELLER = "You are a storyteller. Always answer with a long and detailed story of at least ten sentences."
 
 pytestmark = pytest.mark.slow  # every wait below is bounded; the whole file takes about 1-3 minutes
@@ -289,7 +290,7 @@ def test_chat_order_event_log_settings_and_tool_call(gateway, browser, out_dir):
         assert "goodbye" in turns.nth(1).inner_text() and second in turns.nth(1).inner_text()
         assert "live" in turns.nth(1).get_attribute("class") and "live" not in turns.nth(0).get_attribute("class")
         # ...and so does the event log: each turn's item, response.create and response.done, in that order
-        types = pg.page.eval_on_selector_all("#event-list li", "ls => ls.map(l => l.dataset.dir + ' ' + l.dataset.type)")
+        types = pg.page.eval_on_selector_all("#event-list li", EVENT_TYPES)
         sent = [t for t in types if t in ("client conversation.item.create", "client response.create",
                                          "server response.done")]
         assert sent == ["client conversation.item.create", "client response.create", "server response.done"] * 2, types
@@ -328,7 +329,7 @@ def test_chat_order_event_log_settings_and_tool_call(gateway, browser, out_dir):
         assert "→" in call.inner_text()   # the page's result, shown under the call
         pg.wait("(s => !s.responseActive && s.assistantText.trim().length > 0)(window.rtserveDemo.state)", 120,
                 "the reply that uses the tool's result")
-        types = pg.page.eval_on_selector_all("#event-list li", "ls => ls.map(l => l.dataset.dir + ' ' + l.dataset.type)")
+        types = pg.page.eval_on_selector_all("#event-list li", EVENT_TYPES)
         assert "server response.function_call_arguments.done" in types
         # the page answered the call and asked for the reply: no further call, at the temperature set above
         output = pg.page.locator("#event-list li[data-dir=client][data-type='conversation.item.create']").last
