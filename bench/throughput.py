@@ -19,7 +19,9 @@ runs the round's requests on one, then the other (the order alternates between r
 falls on both), and the table gives median tok/s, the median of the per-round ratios and the draft acceptance rate.
 `--workload repeat` is one where drafts hit: each prompt (the chat template around "Repeat exactly: <passage>", a
 passage of a few seeded sentences) asks for a reply that quotes it, generated greedily up to EOS or the passage's length
-plus a margin. `--workload random` is the random-token workload above, where drafts rarely hit. Each round draws new
+plus a margin. `--workload random` is the random-token workload above, sampled at temperature 1 with a seed per
+request (greedy, the small model falls into loops on random prompts, and loops are where drafts hit best); there drafts
+are proposed and mostly rejected, which is the cost of speculation when it does not pay. Each round draws new
 requests (seed + round), so the prefix cache carries nothing from one round to the next; `--num-requests 1` measures a
 single stream.
 """
@@ -107,11 +109,16 @@ def bench_engine(prompts, outputs, dtype: str, engine_args: dict, schema: dict |
             "step_ms": 1e3 * elapsed / max(1, steps)}
 
 
-def spec_round(llm, prompts, outputs, stop_at_eos: bool) -> dict:
-    """One round of requests on an already loaded engine (greedy; EOS ignored unless `stop_at_eos`)."""
+def spec_round(llm, prompts, outputs, workload: str, seed: int) -> dict:
+    """One round of requests on an already loaded engine: "repeat" greedy up to EOS, "random" sampled (temperature 1,
+    seeded per request, EOS ignored)."""
     from engine import SamplingParams
     before = llm.engine.stats()
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=not stop_at_eos) for o in outputs]
+    if workload == "repeat":
+        params = [SamplingParams(temperature=0, max_tokens=o) for o in outputs]
+    else:
+        params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=o, ignore_eos=True)
+                  for i, o in enumerate(outputs)]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -141,8 +148,8 @@ def bench_spec(args, engine_args: dict) -> int:
     print(f"speculative decoding A/B: {spec}, dtype {dtype}{' + gguf' if 'quantization' in eargs else ''}, "
           f"{args.num_requests} request(s) per round, {args.repeats} rounds, torch threads {torch.get_num_threads()}",
           flush=True)
-    for llm in engines.values():   # warm-up
-        spec_round(llm, [list(range(100, 140))], [8], False)
+    for llm in engines.values():   # warm-up, drafts included
+        spec_round(llm, *make_repeat_workload(1, -1, llm.tokenizer), "repeat", 0)
     table = []
     for workload in workloads:
         runs = {"plain": [], "spec": []}
@@ -152,7 +159,7 @@ def bench_spec(args, engine_args: dict) -> int:
             else:
                 prompts, outputs = make_workload(args.num_requests, args.seed + r, vocab)
             for name in (["plain", "spec"] if r % 2 == 0 else ["spec", "plain"]):
-                res = spec_round(engines[name], prompts, outputs, stop_at_eos=workload == "repeat")
+                res = spec_round(engines[name], prompts, outputs, workload, args.seed + r)
                 runs[name].append(res)
                 print(f"[{workload}, round {r + 1}] {name}: {res['tok_s']:.1f} tok/s ({res['tokens']} tokens, "
                       f"{res['steps']} steps" + (f", {res['accepted']}/{res['drafts']} drafts accepted"

@@ -32,7 +32,7 @@ PASSAGES = [
     "The museum opens at nine in the morning and closes at six in the evening, except on public holidays, when it "
     "stays closed all day.",
 ]
-ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_num_seqs=8, max_num_batched_tokens=64,
+ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_num_seqs=32, max_num_batched_tokens=128,
               long_prefill_token_threshold=32)
 
 
@@ -157,7 +157,7 @@ def test_stop_string_max_tokens_and_eos_inside_an_accepted_run(engines):
     texts = [t for _, t, _, _ in got.values()]
     assert "thousand" not in texts[0] and texts[0].endswith("of a ")
     assert "single st" not in texts[1] and len(list(got.values())[2][0]) == 17
-    assert texts[4].startswith("The quick brown fox") and "wander" in texts[4]
+    assert texts[4].startswith("The quick brown fox") and "glitters is not gold" in texts[4]
     assert_pool_at_baseline(spec)
 
 
