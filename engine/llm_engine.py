@@ -20,7 +20,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.model_runner import ModelRunner
 from engine.models.loader import gguf_source, resolve_model_dir
-from engine.ngram_proposer import NgramProposer
+from engine.ngram_proposer import NgramProposer, next_num_drafts
 from engine.rejection_sampler import RejectionSampler
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
@@ -206,6 +206,9 @@ class LLMEngine:
                 self.spec_num_drafts += 1
                 self.spec_num_draft_tokens += len(s.spec_token_ids)
                 self.spec_num_accepted_tokens += len(tokens[j]) - 1
+                req.num_spec_allowed = next_num_drafts(req.num_spec_allowed or self.proposer.num_speculative_tokens,
+                                                       len(s.spec_token_ids), len(tokens[j]) - 1,
+                                                       self.proposer.num_speculative_tokens)
             try:
                 self._inject("output", [req])
                 outputs.append(self._accept_tokens(req, tokens[j], logprobs[j] if logprobs else None, now,
@@ -266,7 +269,8 @@ class LLMEngine:
             if req.status.finished or req.params.structured_outputs is not None \
                     or req.num_tokens - req.num_computed_tokens != 1:
                 continue
-            room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens,
+                       (req.num_spec_allowed or self.proposer.num_speculative_tokens) + 1) - 1
             if room > 0:
                 req.spec_token_ids = self.proposer.propose(req.token_ids, room)
 

@@ -6,6 +6,12 @@ earlier occurrence are a guess at what comes next. This hits when a reply quotes
 
 As vLLM does: the longest n in [prompt_lookup_min, prompt_lookup_max] that matches wins, and for that n the earliest
 occurrence, whose continuation is the longest stretch of context that can follow it.
+
+How many drafts a request gets adapts to how its drafts fared, with HF transformers' "heuristic" schedule for
+assisted generation: +2 after a verification that accepted every draft, -1 (down to 1) after one that rejected some.
+Why: a verified draft costs a query row whether it is accepted or not, and where the text stops repeating the prompt
+most drafts are rejected; there a request falls back to one draft per step, which costs least, and climbs back to k
+as soon as the drafts hit again.
 """
 from __future__ import annotations
 
@@ -46,3 +52,8 @@ class NgramProposer:
                 first = int(hits[0]) + n                # the earliest occurrence's continuation
                 return tokens[first:first + k].tolist()
         return []
+
+
+def next_num_drafts(allowed: int, num_drafts: int, num_accepted: int, k: int) -> int:
+    """The draft allowance after a verification of `num_drafts` drafts of which `num_accepted` were accepted."""
+    return min(k, allowed + 2) if num_accepted == num_drafts else max(1, allowed - 1)

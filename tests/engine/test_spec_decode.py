@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from engine import LLM, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.errors import InvalidRequestError
-from engine.ngram_proposer import NgramProposer
+from engine.ngram_proposer import NgramProposer, next_num_drafts
 from engine.rejection_sampler import accepted_tokens
 from gateway.metrics import EngineCollector
 from tests.engine.prompts import PROMPTS
@@ -93,6 +93,9 @@ def test_proposer_matches_vllm_prompt_lookup():
     assert p.propose([1, 2, 3, 4, 5, 1, 2, 3], max_drafts=1) == [4]
     assert p.propose([1, 2, 3, 4, 5, 6, 7, 8]) == []              # nothing repeats: no draft, a plain decode
     assert NgramProposer(3, 2, 3).propose([1, 2, 3, 9, 3]) == []  # a 1-gram is below prompt_lookup_min
+    # the draft allowance: +2 after all accepted (up to k), -1 after a rejection (down to 1)
+    assert [next_num_drafts(4, 4, 4, 4), next_num_drafts(1, 1, 1, 4), next_num_drafts(4, 4, 2, 4),
+            next_num_drafts(1, 1, 0, 4)] == [4, 3, 3, 1]
 
 
 def test_acceptance_rule():
