@@ -118,7 +118,7 @@ def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
                          'on CPU). Default: gguf for the embedded model on the CPU, none otherwise')
     ap.add_argument("--speculative-config", default=None,
                     help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                         '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\' drafts tokens from each request\'s own '
+                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts tokens from each request\'s own '
                          'prompt and output (n-gram prompt lookup) and verifies them in the same batched step; '
                          'faster where replies quote their prompt. Default: off')
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
