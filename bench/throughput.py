@@ -12,6 +12,18 @@ bitmasks and advancing the matchers). The schema is an object with one string fi
 than the longest output can hold, so the grammar cannot end before `max_tokens` and every constrained request, like the
 unconstrained one, generates exactly its output length: both runs do the same model work and differ only by the
 grammar (a string field is also where most of a real JSON answer's tokens go).
+
+`--speculative-config JSON` (vLLM's spelling, e.g. '{"method": "ngram", "num_speculative_tokens": 4}') replaces the HF
+comparison with an A/B of the engine without and with speculative decoding: both engines are loaded once, and each round
+runs the round's requests on one, then the other (the order alternates between rounds, so drift on a shared machine
+falls on both), and the table gives median tok/s, the median of the per-round ratios and the draft acceptance rate.
+`--workload repeat` is one where drafts hit: each prompt (the chat template around "Repeat exactly: <passage>", a
+passage of a few seeded sentences) asks for a reply that quotes it, generated greedily up to EOS or the passage's length
+plus a margin. `--workload random` is the random-token workload above, sampled at temperature 1 with a seed per
+request (greedy, the small model falls into loops on random prompts, and loops are where drafts hit best); there drafts
+are proposed and mostly rejected, which is the cost of speculation when it does not pay. Each round draws new
+requests (seed + round), so the prefix cache carries nothing from one round to the next; `--num-requests 1` measures a
+single stream.
 """
 from __future__ import annotations
 
@@ -31,6 +43,36 @@ def make_workload(n: int, seed: int, vocab: int, prompt_range=(16, 256), output_
         plen = rng.randint(*prompt_range)
         prompts.append([rng.randrange(100, vocab - 100) for _ in range(plen)])
         outputs.append(rng.randint(*output_range))
+    return prompts, outputs
+
+
+SENTENCES = [
+    "The museum opens at nine in the morning and closes at six in the evening, except on public holidays.",
+    "Please send the signed contract to the legal department before Friday, together with a copy of your ID.",
+    "Rain is expected over the northern hills tonight, with clear skies returning by Thursday afternoon.",
+    "The recipe needs two cups of flour, one egg, a pinch of salt and a spoonful of melted butter.",
+    "Our team moved the weekly meeting to Tuesday so that everyone can attend the training on Monday.",
+    "The library has extended its hours for the exam period and added forty new seats on the second floor.",
+    "To reset the router, hold the small button on the back for ten seconds until the light turns orange.",
+    "The train to the coast leaves from platform four every hour, and the journey takes about ninety minutes.",
+    "A healthy garden needs good soil, enough sunlight, regular watering and a little patience every season.",
+    "The new bridge will carry both cyclists and pedestrians, and it should be finished by the end of next year.",
+    "Students must hand in their projects by the last day of the month, either on paper or by email.",
+    "The old lighthouse on the island was restored last summer and is now open to visitors at weekends.",
+]
+
+
+def make_repeat_workload(n: int, seed: int, tokenizer) -> tuple[list[list[int]], list[int]]:
+    """Prompts whose reply quotes them (drafts from the prompt hit): the chat template around "Repeat exactly:" and
+    three to five seeded sentences; the output budget is the passage's length in tokens plus a margin."""
+    rng = random.Random(seed)
+    prompts, outputs = [], []
+    for _ in range(n):
+        passage = " ".join(rng.sample(SENTENCES, rng.randint(3, 5)))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Repeat exactly: " + passage}],
+                                             add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        outputs.append(len(tokenizer.encode(passage, add_special_tokens=False)) + 8)
     return prompts, outputs
 
 
@@ -65,6 +107,75 @@ def bench_engine(prompts, outputs, dtype: str, engine_args: dict, schema: dict |
             "preemptions": llm.engine.scheduler.num_preemptions,
             "mask_ms_per_step": 1e3 * (after["structured_mask_s"] - before["structured_mask_s"]) / max(1, steps),
             "step_ms": 1e3 * elapsed / max(1, steps)}
+
+
+def spec_round(llm, prompts, outputs, workload: str, seed: int) -> dict:
+    """One round of requests on an already loaded engine: "repeat" greedy up to EOS, "random" sampled (temperature 1,
+    seeded per request, EOS ignored)."""
+    from engine import SamplingParams
+    before = llm.engine.stats()
+    if workload == "repeat":
+        params = [SamplingParams(temperature=0, max_tokens=o) for o in outputs]
+    else:
+        params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=o, ignore_eos=True)
+                  for i, o in enumerate(outputs)]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    after = llm.engine.stats()
+    n_out = sum(len(o.token_ids) for o in outs)
+    drafts = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    return {"elapsed": elapsed, "tokens": n_out, "tok_s": n_out / elapsed,
+            "steps": after["num_steps"] - before["num_steps"], "acceptance": accepted / drafts if drafts else 0.0,
+            "drafts": drafts, "accepted": accepted}
+
+
+def bench_spec(args, engine_args: dict) -> int:
+    """The A/B of speculative decoding described in the module docstring."""
+    import json
+
+    from engine import LLM
+    from engine.models.loader import resolve_model_dir
+    spec = args.speculative_config
+    dtype = "bfloat16" if args.dtype == "both" else args.dtype
+    eargs = dict(engine_args, dtype=dtype)
+    if dtype == "bfloat16" and not args.no_gguf_row:
+        eargs["quantization"] = "gguf"
+    engines = {"plain": LLM(**eargs), "spec": LLM(**eargs, speculative_config=spec)}
+    vocab = json.loads((resolve_model_dir(None) / "config.json").read_text())["vocab_size"]
+    workloads = ["repeat", "random"] if args.workload == "both" else [args.workload]
+    print(f"speculative decoding A/B: {spec}, dtype {dtype}{' + gguf' if 'quantization' in eargs else ''}, "
+          f"{args.num_requests} request(s) per round, {args.repeats} rounds, torch threads {torch.get_num_threads()}",
+          flush=True)
+    for llm in engines.values():   # warm-up, drafts included
+        spec_round(llm, *make_repeat_workload(1, -1, llm.tokenizer), "repeat", 0)
+    table = []
+    for workload in workloads:
+        runs = {"plain": [], "spec": []}
+        for r in range(max(1, args.repeats)):
+            if workload == "repeat":
+                prompts, outputs = make_repeat_workload(args.num_requests, args.seed + r, engines["plain"].tokenizer)
+            else:
+                prompts, outputs = make_workload(args.num_requests, args.seed + r, vocab)
+            for name in (["plain", "spec"] if r % 2 == 0 else ["spec", "plain"]):
+                res = spec_round(engines[name], prompts, outputs, workload, args.seed + r)
+                runs[name].append(res)
+                print(f"[{workload}, round {r + 1}] {name}: {res['tok_s']:.1f} tok/s ({res['tokens']} tokens, "
+                      f"{res['steps']} steps" + (f", {res['accepted']}/{res['drafts']} drafts accepted"
+                                                 if name == "spec" else "") + ")", flush=True)
+        table.append((workload, runs))
+    print("\n| workload | requests per round | plain tok/s | spec tok/s | spec / plain (median of rounds) | "
+          "acceptance rate |")
+    print("|---|---|---|---|---|---|")
+    for workload, runs in table:
+        ratios = [s["tok_s"] / p["tok_s"] for p, s in zip(runs["plain"], runs["spec"])]
+        drafts = sum(s["drafts"] for s in runs["spec"])
+        accepted = sum(s["accepted"] for s in runs["spec"])
+        print(f"| {workload} | {args.num_requests} | {_median([p['tok_s'] for p in runs['plain']]):.1f} | "
+              f"{_median([s['tok_s'] for s in runs['spec']]):.1f} | {_median(ratios):.2f}x "
+              f"({', '.join(f'{x:.2f}' for x in ratios)}) | {accepted / drafts if drafts else 0.0:.2f} |")
+    return 0
 
 
 def print_engine(label: str, eng: dict) -> None:
@@ -134,7 +245,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds of (engine, HF static-8), interleaved, each engine on a fresh LLM (no prefix-cache "
                          "carry-over); a shared machine's speed drifts within minutes, so the table gives medians and "
                          "the median of the per-round ratios. HF sequential (the long one) runs once.")
+    ap.add_argument("--speculative-config", default=None,
+                    help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\': A/B the engine '
+                         'without and with speculative decoding instead of the HF comparison (see above)')
+    ap.add_argument("--workload", default="both", choices=["repeat", "random", "both"],
+                    help="with --speculative-config: prompts the reply quotes (drafts hit), random tokens, or both")
     args = ap.parse_args(argv)
+    if args.speculative_config is not None:   # a bad config is one line and exit code 2, before anything loads
+        from engine.config import SpeculativeConfig
+        from engine.errors import InvalidRequestError
+        try:
+            args.speculative_config = SpeculativeConfig.parse(args.speculative_config)
+        except InvalidRequestError as e:
+            ap.error(f"argument --speculative-config: {e}")
 
     from engine.models.loader import resolve_model_dir
     import json
@@ -148,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        attention_backend=args.attention_backend,
                        device=args.device, enforce_eager=args.enforce_eager)
+    if args.speculative_config is not None:
+        return bench_spec(args, engine_args)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens, "
           f"torch threads {torch.get_num_threads()}, {args.repeats} rounds", flush=True)
     rows = []

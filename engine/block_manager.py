@@ -178,6 +178,14 @@ class BlockManager:
                 self.pages[p].block = pages
             self.cached.setdefault(h, pages)
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Release req's pages past the first `num_tokens` slots: those allocated for draft tokens that were rejected
+        (never hashed: only blocks full of computed tokens are), tail first like `free`."""
+        keep = self.pages_for(num_tokens)
+        for page_id in reversed(req.block_table[keep:]):
+            self._release(page_id)
+        del req.block_table[keep:]
+
     def free(self, req: Request) -> None:
         """Drop req's references, tail first (private tails are evicted before the shared prefix)."""
         for page_id in reversed(req.block_table):

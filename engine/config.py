@@ -1,6 +1,7 @@
 """Engine arguments, named like the CLI flags (`--kv-cache-memory 2GiB` == `kv_cache_memory="2GiB"`)."""
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, fields
@@ -23,6 +24,66 @@ def parse_size(value: int | float | str) -> int:
 
 QUANTIZATIONS = (None, "gguf")
 DEFAULT_PAGE_SIZE = 4   # a sequence leaves less than one page unused, so small pages waste little KV memory
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `--speculative-config` JSON spelling. Only vLLM's `ngram` method (prompt lookup,
+    engine/ngram_proposer.py): drafts come from the request's own tokens, so there is no draft model to load."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 0        # drafts proposed per request per step (required, >= 1)
+    prompt_lookup_max: int | None = None   # longest n-gram matched against the context
+    prompt_lookup_min: int | None = None   # shortest n-gram that still counts as a match
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str") -> "SpeculativeConfig":
+        """From the CLI's JSON text, a dict, or an instance; any problem is one InvalidRequestError naming the flag."""
+        if isinstance(value, cls):
+            value.validate()
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"speculative_config is not valid JSON ({e.msg} at char {e.pos}); "
+                                          f'example: {{"method": "ngram", "num_speculative_tokens": 4}}',
+                                          param="speculative_config") from None
+        if not isinstance(value, dict):
+            raise InvalidRequestError("speculative_config must be a JSON object", param="speculative_config")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequestError(f"speculative_config has unknown key {unknown[0]!r} (known: {sorted(known)})",
+                                      param="speculative_config")
+        obj = cls(**value)
+        obj.validate()
+        return obj
+
+    def validate(self) -> None:
+        def bad(why: str):
+            raise InvalidRequestError(f"speculative_config: {why}", param="speculative_config")
+
+        if self.method not in SPECULATIVE_METHODS:
+            bad(f"method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                bad(f"{name} must be an integer, got {v!r}")
+        if not 1 <= self.num_speculative_tokens <= 64:
+            bad(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens!r}")
+        # vLLM's defaults: neither given -> 5 and 5; one given -> the other equals it
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            bad(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
+                f"{self.prompt_lookup_max}")
 
 
 @dataclass(slots=True)
@@ -48,6 +109,8 @@ class EngineArgs:
     num_threads: int | None = None
     quantization: str | None = None     # "gguf": linears on the GGUF file's own blocks (engine/layers/gguf_linear.py)
     enforce_eager: bool = False         # on CUDA + Triton, decode steps replay CUDA graphs unless True (engine/cuda_graph.py)
+    # speculative decoding (vLLM's --speculative-config: a JSON string, a dict or a SpeculativeConfig); None: off
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -66,6 +129,8 @@ class EngineArgs:
         if self.quantization not in QUANTIZATIONS:
             raise InvalidRequestError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
                                       param="quantization")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not 0.0 <= self.pinned_blocks_fraction <= 1.0:
             raise InvalidRequestError("pinned_blocks_fraction must be in [0, 1]", param="pinned_blocks_fraction")
 

@@ -20,6 +20,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.model_runner import ModelRunner
 from engine.models.loader import gguf_source, resolve_model_dir
+from engine.ngram_proposer import NgramProposer, next_num_drafts
+from engine.rejection_sampler import RejectionSampler
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -97,6 +99,13 @@ class LLMEngine:
                                    args.long_prefill_token_threshold, self.step_budget,
                                    args.share_inflight_prefixes)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        spec = args.speculative_config
+        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) \
+            if spec is not None else None
+        self.spec_num_drafts = 0               # verifications: (request, step) pairs that carried drafts
+        self.spec_num_draft_tokens = 0         # draft tokens verified
+        self.spec_num_accepted_tokens = 0      # of which the target model accepted
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
                                                   max_threads=max(1, min(2, torch.get_num_threads())))
         self.requests: dict[str, Request] = {}
@@ -181,45 +190,89 @@ class LLMEngine:
         self.last_step = sched
         self._track_waste()
         scheduled, logits, rows = self._forward(sched.scheduled, outputs)
-        for s in scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-        sampled_reqs = [scheduled[i].request for i in rows]
-        tokens, logprobs = self._sample(logits, sampled_reqs, outputs)
+        for s in scheduled:   # drafts count as computed only once accepted (_accept_tokens)
+            s.request.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
+        sampled = [scheduled[i] for i in rows]
+        tokens, logprobs = self._sample(logits, sampled, outputs)
         now = time.monotonic()
         for s in scheduled:
             if not s.request.status.finished:
                 self.block_manager.cache_full_blocks(s.request)
-        for j, req in enumerate(sampled_reqs):
+        for j, s in enumerate(sampled):
+            req = s.request
             if req.status.finished:              # failed in sampling
                 continue
+            if s.spec_token_ids:
+                self.spec_num_drafts += 1
+                self.spec_num_draft_tokens += len(s.spec_token_ids)
+                self.spec_num_accepted_tokens += len(tokens[j]) - 1
+                req.num_spec_allowed = next_num_drafts(req.num_spec_allowed or self.proposer.num_speculative_tokens,
+                                                       len(s.spec_token_ids), len(tokens[j]) - 1,
+                                                       self.proposer.num_speculative_tokens)
             try:
                 self._inject("output", [req])
-                outputs.append(self._accept_token(req, tokens[j], logprobs[j] if logprobs else None, now))
+                outputs.append(self._accept_tokens(req, tokens[j], logprobs[j] if logprobs else None, now,
+                                                   bool(s.spec_token_ids)))
             except Exception as e:               # its detokenizer, stop strings or grammar: its own fault
                 outputs.append(self._fail(req, "output", e))
+        if self.proposer is not None:
+            self._propose(s.request for s in sampled)
         self.step_budget.observe(sched.num_batched_tokens, time.perf_counter() - t0,
-                                 carried_prefill=sched.num_batched_tokens > sched.num_decodes)
+                                 carried_prefill=sched.num_batched_tokens > sched.num_decodes + sched.num_spec_tokens)
         return outputs
 
-    def _accept_token(self, req: Request, tok: int, logprobs, now: float) -> RequestOutput:
-        req.token_ids.append(tok)
-        self.generated_tokens_total += 1
+    def _accept_tokens(self, req: Request, toks: list[int], logprobs: list | None, now: float,
+                       verified_drafts: bool) -> RequestOutput:
+        """Append the step's tokens one by one (one, or the accepted drafts and the token after them), each through
+        the stop checks, so EOS, max_tokens, a stop string or the grammar's end inside an accepted run ends the
+        request exactly where plain decoding would, and the tokens after it are dropped."""
+        detok = self.detoks[req.request_id]
         if req.first_token_time is None:
             req.first_token_time = now
-        detok = self.detoks[req.request_id]
-        status = self._check_stop(req, tok)
-        if req.params.structured_outputs is not None and self.structured.accept(req.request_id, tok) \
-                and status is None:
-            status = RequestStatus.FINISHED_STOPPED    # the grammar is complete (its stop token was accepted)
-            req.stop_reason = tok
-        delta = "" if status == RequestStatus.FINISHED_STOPPED else detok.add(tok)   # a stop token has no text
-        if detok.stopped_by is not None:
-            status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = detok.stopped_by
+        delta = ""
+        status = None
+        new: list[int] = []
+        for tok in toks:
+            req.token_ids.append(tok)
+            new.append(tok)
+            self.generated_tokens_total += 1
+            status = self._check_stop(req, tok)
+            if req.params.structured_outputs is not None and self.structured.accept(req.request_id, tok) \
+                    and status is None:
+                status = RequestStatus.FINISHED_STOPPED    # the grammar is complete (its stop token was accepted)
+                req.stop_reason = tok
+            delta += "" if status == RequestStatus.FINISHED_STOPPED else detok.add(tok)   # a stop token has no text
+            if detok.stopped_by is not None:
+                status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = detok.stopped_by
+            if status is not None:
+                break
+        if verified_drafts:
+            # the KV of every appended token but the last was computed in this step (they were drafts or the token
+            # before them); the slots of rejected drafts go back to the pool
+            req.num_computed_tokens += len(new) - 1
+            if status is None:
+                self.block_manager.trim(req, req.num_tokens)
+            self.block_manager.cache_full_blocks(req)
         if status is not None:
             delta += detok.flush()
             self._finish(req, status)
-        return self._output(req, [tok], delta, logprobs)
+        if logprobs is not None and logprobs[0] is None:   # this request did not ask for them
+            logprobs = None
+        return self._output(req, new, delta, logprobs[:len(new)] if logprobs is not None else None)
+
+    def _propose(self, reqs) -> None:
+        """Drafts for each request that just sampled and decodes next: never for grammar-constrained requests (their
+        drafts would need the grammar's mask at every draft position), and never past max_tokens or the context."""
+        for req in reqs:
+            req.spec_token_ids = []
+            if req.status.finished or req.params.structured_outputs is not None \
+                    or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens,
+                       (req.num_spec_allowed or self.proposer.num_speculative_tokens) + 1) - 1
+            if room > 0:
+                req.spec_token_ids = self.proposer.propose(req.token_ids, room)
 
     # ---- fault isolation ----------------------------------------------------------------------------------------
     def _forward(self, batch: list[ScheduledRequest], outputs: list[RequestOutput]
@@ -268,40 +321,46 @@ class LLMEngine:
         logits = torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
         return scheduled, logits, rows
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], outputs: list[RequestOutput]
-                ) -> tuple[list[int], list | None]:
-        """Sample the batch; if that raises, sample each row alone (with the random generators rewound to where the
-        batch started, so seeded rows draw what they would have drawn) and fail the rows that raise alone. A row's
-        failure here is always its own (its sampling settings or grammar): the forward already succeeded. Failed rows
-        get token -1 and are skipped by the caller (their status is finished)."""
-        if not reqs:
+    def _sample(self, logits: torch.Tensor, sampled: list[ScheduledRequest], outputs: list[RequestOutput]
+                ) -> tuple[list[list[int]], list | None]:
+        """Sample the batch (and verify its drafts: engine/rejection_sampler.py); per request, the tokens it emits. If
+        that raises, sample each request alone (with the random generators rewound to where the batch started, so
+        seeded rows draw what they would have drawn) and fail the requests that raise alone. A failure here is always
+        the request's own (its sampling settings or grammar): the forward already succeeded. Failed requests get no
+        tokens and are skipped by the caller (their status is finished)."""
+        if not sampled:
             return [], None
+        reqs = [s.request for s in sampled]
+        drafts = [s.spec_token_ids for s in sampled]
         gens = {id(g): g for g in (r.generator or self.sampler.generator for r in reqs if not r.params.greedy)}
         states = {k: g.get_state() for k, g in gens.items()}
         try:
             self._inject("sample", reqs)
-            return self.sampler(logits, reqs, self._grammar_mask(reqs))
+            return self.rejection_sampler(logits, reqs, drafts, self._grammar_mask(reqs, drafts))
         except Exception:
             for k, g in gens.items():
                 g.set_state(states[k])
-        tokens: list[int] = []
+        tokens: list[list[int]] = []
         logprobs: list = []
-        for j, req in enumerate(reqs):
+        start = 0
+        for req, ds in zip(reqs, drafts):
+            rows = logits[start:start + len(ds) + 1]
+            start += len(ds) + 1
             try:
                 self._inject("sample", [req])
-                tok, lp = self.sampler(logits[j:j + 1], [req], self._grammar_mask([req]))
+                tok, lp = self.rejection_sampler(rows, [req], [ds], self._grammar_mask([req], [ds]))
                 tokens.append(tok[0])
                 logprobs.append(lp[0] if lp else None)
             except Exception as e:
                 outputs.append(self._fail(req, "sampling", e))
-                tokens.append(-1)
+                tokens.append([])
                 logprobs.append(None)
         return tokens, logprobs if any(lp is not None for lp in logprobs) else None
 
-    def _grammar_mask(self, reqs: list[Request]):
+    def _grammar_mask(self, reqs: list[Request], drafts: list[list[int]]):
         if not self.structured.num_active:      # unconstrained batches skip the grammar entirely
             return None
-        ids = [r.request_id for r in reqs]
+        ids = [r.request_id for r, ds in zip(reqs, drafts) for _ in range(len(ds) + 1)]   # one per logits row
         return lambda lg: self.structured.mask_logits(lg, ids)
 
     def _fail(self, req: Request, phase: str, exc: BaseException) -> RequestOutput:
@@ -343,13 +402,14 @@ class LLMEngine:
         self.structured.remove(req.request_id)
         self.requests.pop(req.request_id, None)
 
-    def _output(self, req: Request, new_ids: list[int], delta: str, logprobs) -> RequestOutput:
+    def _output(self, req: Request, new_ids: list[int], delta: str, logprobs: list | None) -> RequestOutput:
+        """`logprobs`: one (logprob, top-n) entry per token of new_ids, or None."""
         finished = req.status.finished
         if finished:
             self.detoks.pop(req.request_id, None)
         return RequestOutput(req.request_id, new_ids, delta, finished, req.status.value if finished else None,
                              req.num_prompt_tokens, max(req.num_cached_tokens, 0), req.num_output_tokens,
-                             [logprobs] if logprobs is not None else None)
+                             logprobs)
 
     def _track_waste(self) -> None:
         running = self.scheduler.running
@@ -367,7 +427,12 @@ class LLMEngine:
                  inflight_prefix_waits=self.scheduler.num_deferred_admissions,
                  structured_requests=self.structured.num_active,
                  structured_mask_steps=self.structured.mask_steps,
-                 structured_mask_s=self.structured.mask_seconds)
+                 structured_mask_s=self.structured.mask_seconds,
+                 spec_decode_num_drafts=self.spec_num_drafts,
+                 spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
+                 spec_decode_num_accepted_tokens=self.spec_num_accepted_tokens,
+                 spec_decode_acceptance_rate=(self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+                                              if self.spec_num_draft_tokens else 0.0))
         return s
 
 

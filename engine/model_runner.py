@@ -102,7 +102,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
-        """Run one step. Returns fp32 logits for the sampling rows and the indices (into `scheduled`) they belong to."""
+        """Run one step. Returns fp32 logits for the sampling rows and the indices (into `scheduled`) they belong to: one
+        row per sampling request, or 1 + len(spec_token_ids) consecutive rows for a request with drafts."""
         ps = self.page_size
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -112,23 +113,37 @@ class ModelRunner:
         logit_rows: list[int] = []
         sampling: list[int] = []
         max_pages = 0
+        seq_tables: list[list[int]] = []      # the block table of each attention sequence (cu / seq_lens entry)
         for i, s in enumerate(scheduled):
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            input_ids.extend(req.token_ids[start:start + n])
+            num_spec = len(s.spec_token_ids)
+            input_ids.extend(req.token_ids[start:start + n - num_spec])
+            input_ids.extend(s.spec_token_ids)
             pos = np.arange(start, start + n)
             positions.append(pos)
             table = np.asarray(req.block_table, dtype=np.int64)
             slots.append(table[pos // ps] * ps + pos % ps)
-            cu.append(cu[-1] + n)
-            seq_lens.append(start + n)
             max_pages = max(max_pages, len(req.block_table))
-            if s.samples:
-                logit_rows.append(cu[-1] - 1)
+            if num_spec and n == num_spec + 1:
+                # a decode with drafts: each query token is a one-token sequence over the same pages, with its own
+                # length (which keeps it causal), so all of them take the decode kernels instead of a prefill chunk's
+                # gather + SDPA; the step stores every new token's KV before attention reads it
+                for j in range(n):
+                    cu.append(cu[-1] + 1)
+                    seq_lens.append(start + j + 1)
+                    seq_tables.append(req.block_table)
+            else:
+                cu.append(cu[-1] + n)
+                seq_lens.append(start + n)
+                seq_tables.append(req.block_table)
+            if s.samples:   # the last known token's position, then one row per draft
+                logit_rows.extend(range(cu[-1] - 1 - num_spec, cu[-1]))
                 sampling.append(i)
-        tables = np.full((len(scheduled), max_pages), -1, dtype=np.int32)
-        for i, s in enumerate(scheduled):
-            tables[i, :len(s.request.block_table)] = s.request.block_table
-        if self.graphs is not None and len(input_ids) == len(scheduled) == len(sampling) <= self.graphs.max_bs:
+        tables = np.full((len(seq_tables), max_pages), -1, dtype=np.int32)
+        for i, t in enumerate(seq_tables):
+            tables[i, :len(t)] = t
+        if self.graphs is not None and len(input_ids) == len(scheduled) == len(sampling) == len(logit_rows) \
+                <= self.graphs.max_bs:
             return self.graphs.run(input_ids, np.concatenate(positions), np.concatenate(slots), seq_lens,
                                    tables), sampling   # a decode-only step: one token per sequence, all sampling
         dev = self.device

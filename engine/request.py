@@ -38,6 +38,8 @@ class Request:
     num_computed_tokens: int = 0           # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)    # its KV pages in token order (what the kernels read)
     block_hashes: list[int] = field(default_factory=list)   # chained hashes of the full blocks of token_ids
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for its next decode step
+    num_spec_allowed: int | None = None    # most drafts it gets next (engine/ngram_proposer.py); None: k
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = -1            # prefix-cache hit at first scheduling (-1: not scheduled yet)
     num_preemptions: int = 0

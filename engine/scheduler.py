@@ -4,8 +4,8 @@ Each request simply wants `num_tokens - num_computed_tokens` more tokens compute
 `max_num_batched_tokens`, smaller when `StepBudget` keeps running streams under their `max_itl_ms` target) is handed
 out by one rule:
 
-1. every running decode (1 token each) first, best priority first: a stream that is generating never waits behind a
-   prompt;
+1. every running decode (1 token each, plus its draft tokens under speculative decoding) first, best priority first: a
+   stream that is generating never waits behind a prompt; drafts only take budget left after every decode's own token;
 2. then prefill work, running chunks and waiting prompts alike, in (priority, arrival) order: a waiting priority-0
    request is scheduled before a running priority-1 request's next prefill chunk, so a long HTTP prompt is chunked
    around Realtime work, and within a priority it is first come, first served;
@@ -36,12 +36,15 @@ from engine.step_budget import StepBudget
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int                    # query tokens in this step, drafts included (as vLLM counts them)
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts verified after its last known token
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so its last position yields the next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """True when this chunk reaches the end of the known tokens, so its last position yields the next token
+        (and each draft position one more)."""
+        return (self.request.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+                == self.request.num_tokens)
 
 
 @dataclass(slots=True)
@@ -50,6 +53,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
     num_decodes: int = 0              # running streams that got their one token in this step
+    num_spec_tokens: int = 0          # draft tokens verified in this step (on top of the decodes' own tokens)
     token_budget: int = 0             # what the step was allowed to batch
     num_deferred: int = 0             # waiting requests that wait for a shared prefix in flight
 
@@ -88,12 +92,16 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         out.token_budget = self.step_budget.tokens(len(decodes))
 
-        # 1. decodes
-        for req in decodes:
+        # 1. decodes, each with the drafts that fit once every later decode has its one token
+        for i, req in enumerate(decodes):
             if out.num_batched_tokens >= out.token_budget:
                 break
-            if req in self.running and self._allocate_or_preempt(req, 1, out):
-                self._schedule(req, 1, out)
+            room = out.token_budget - out.num_batched_tokens - 1 - (len(decodes) - i - 1)
+            drafts = req.spec_token_ids[:max(0, room)]
+            if drafts and bm.pages_for(req.num_computed_tokens + 1 + len(drafts)) - len(req.block_table) > bm.num_free:
+                drafts = []           # drafts only take free pages: they never preempt a request or unpin a session
+            if req in self.running and self._allocate_or_preempt(req, 1 + len(drafts), out):
+                self._schedule(req, 1 + len(drafts), out, drafts)
 
         # 2. prefill work, running chunks and waiting prompts, by (priority, arrival)
         candidates: list[tuple[tuple[int, float, int], Request]] = [
@@ -170,9 +178,10 @@ class Scheduler:
         self.num_deferred_admissions += len(followers)
         return followers
 
-    def _schedule(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
-        out.scheduled.append(ScheduledRequest(req, num_new))
+    def _schedule(self, req: Request, num_new: int, out: SchedulerOutput, drafts: list[int] | None = None) -> None:
+        out.scheduled.append(ScheduledRequest(req, num_new, drafts or []))
         out.num_batched_tokens += num_new
+        out.num_spec_tokens += len(drafts or ())
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Pages for req's next num_new tokens, preempting the worst running requests until they fit. False when req
@@ -195,11 +204,13 @@ class Scheduler:
         for i, s in enumerate(out.scheduled):  # scheduled earlier in this step: its tokens go back to the budget
             if s.request is req:
                 out.num_batched_tokens -= s.num_new_tokens
+                out.num_spec_tokens -= len(s.spec_token_ids)
                 del out.scheduled[i]
                 break
         self.running.remove(req)
         self.block_manager.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         if not req.status.finished:

@@ -37,7 +37,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # CLI flag -> engine argument; only the flags a user gives are passed, so the engine's defaults stay the defaults
 ENGINE_FLAGS = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                 "page_size", "dtype", "attention_backend", "pinned_blocks_fraction", "device", "num_threads",
-                "quantization", "max_itl_ms", "long_prefill_token_threshold")
+                "quantization", "max_itl_ms", "long_prefill_token_threshold", "speculative_config")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -118,6 +118,11 @@ def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--quantization", default=None, choices=["none", "gguf"],
                     help='"gguf": decode batches of up to 64 rows run on the GGUF file\'s own Q4_1 blocks (faster decode '
                          'on CPU). Default: gguf for the embedded model on the CPU, none otherwise')
+    ap.add_argument("--speculative-config", default=None,
+                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts tokens from each request\'s own '
+                         'prompt and output (n-gram prompt lookup) and verifies them in the same batched step; '
+                         'faster where replies quote their prompt. Default: off')
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV cache of prompt prefixes seen before (a session's earlier turns, shared "
                          "instructions)")

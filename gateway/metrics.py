@@ -22,6 +22,8 @@ _GAUGES = (  # metric name, stats key, help
     ("rtserve_kv_pages_cached", "kv_pages_cached", "Free KV pages that still hold a hashed prefix block."),
     ("rtserve_kv_pages_pinned", "kv_pages_pinned", "KV pages pinned by live sessions."),
     ("rtserve_structured_requests", "structured_requests", "Grammar-constrained requests holding a matcher."),
+    ("rtserve_spec_decode_acceptance_rate", "spec_decode_acceptance_rate",
+     "Share of the draft tokens verified so far that were accepted (0 while none was verified)."),
 )
 _COUNTERS = (
     ("rtserve_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -31,6 +33,11 @@ _COUNTERS = (
     ("rtserve_structured_mask_steps", "structured_mask_steps", "Engine steps that masked constrained rows."),
     ("rtserve_structured_mask_seconds", "structured_mask_s",
      "Seconds spent filling and applying grammar masks and advancing matchers."),
+    ("rtserve_spec_decode_num_drafts", "spec_decode_num_drafts",
+     "Speculative decoding: times a request's drafts were verified (one per request per step with drafts)."),
+    ("rtserve_spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified."),
+    ("rtserve_spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Draft tokens the target model accepted."),
 )
 
 

@@ -202,3 +202,37 @@ def test_a_follower_goes_its_own_way_where_prompts_differ():
     out = run_step(sched)                                  # a's blocks are cached: b hits its 2 shared blocks
     assert b.num_cached_tokens == 8 and [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
         ("a", 1), ("b", 32)]
+
+
+def test_drafts_take_only_budget_left_after_every_decode_and_only_free_pages():
+    """Speculative decoding: a decode with drafts is 1 + len(drafts) query tokens, but a later decode's own token comes
+    first, drafts never preempt anyone, and the pages of rejected drafts go back to the pool (BlockManager.trim)."""
+    bm = BlockManager(10, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=6)
+    a, b = req("a", 4, t=0), req("b", 4, t=1)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)                                     # both prompts: 8 tokens > 6, so b is chunked
+    run_step(sched)
+    assert a.num_tokens - a.num_computed_tokens == 1 and b.num_tokens - b.num_computed_tokens == 1
+    a.spec_token_ids = [5, 6, 7, 8, 9]
+    out = sched.schedule()
+    by_id = {s.request.request_id: s for s in out.scheduled}
+    assert by_id["a"].spec_token_ids == [5, 6, 7, 8] and by_id["a"].num_new_tokens == 5   # 6 - b's one token
+    assert by_id["b"].num_new_tokens == 1 and out.num_spec_tokens == 4 and out.num_batched_tokens == 6
+    assert by_id["a"].samples and len(a.block_table) == bm.pages_for(a.num_computed_tokens + 5)
+    # verification accepted one draft: the engine advances a by 2 tokens and trims the rejected drafts' slots
+    a.token_ids += [5, 3]
+    a.num_computed_tokens += 2
+    used = bm.num_pages - bm.num_free
+    bm.trim(a, a.num_tokens)
+    assert len(a.block_table) == bm.pages_for(a.num_tokens) and bm.num_pages - bm.num_free <= used
+    b.num_computed_tokens += 1
+    b.token_ids.append(7)
+    # drafts that need more pages than are free are dropped: a plain decode instead of a preemption
+    hog = req("hog", 4 * bm.num_free)                   # holds every free page (outside the scheduler)
+    assert bm.allocate_slots(hog, hog.num_tokens) and bm.num_free == 0
+    a.spec_token_ids = list(range(20, 26))
+    out = sched.schedule()
+    by_id = {s.request.request_id: s for s in out.scheduled}
+    assert by_id["a"].spec_token_ids == [] and by_id["a"].num_new_tokens == 1 and not out.preempted

@@ -79,6 +79,9 @@ def _bad_values(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--block-size", "0"], "--block-size"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--pinned-blocks-fraction", "2"], "--pinned-blocks-fraction"),
+        (["--speculative-config", "{method: ngram}"], "--speculative-config"),                    # not JSON
+        (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "--speculative-config"),
+        (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),     # no num_speculative_tokens
         (["--port", "http"], "--port"),
         (["--dtype", "float16"], "--dtype"),
         (["--model", str(tmp_path / "missing")], "--model"),
