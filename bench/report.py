@@ -57,7 +57,12 @@ class Progress:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.start = self.last = time.monotonic()
-        self.shown = False
+        self.done = 0
+
+    def advance(self, note: str = "") -> None:
+        """One more unit of work done (a request, a turn, a round)."""
+        self.done += 1
+        self.update(self.done, note)
 
     def update(self, done: int | None = None, note: str = "", force: bool = False) -> None:
         now = time.monotonic()
@@ -71,10 +76,9 @@ class Progress:
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
-        self.shown = True
 
     def close(self, note: str = "") -> None:
-        self.update(self.total, note, force=True)
+        self.update(self.total if self.total is not None else self.done or None, note, force=True)
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
@@ -244,7 +248,7 @@ def _draw(ax, panel: Panel) -> None:
         ax.set_ylim(0, 1.02)
     elif panel.kind == "bars":
         groups = list(panel.series)
-        labels = list(dict.fromkeys(label for g in groups for label in panel.series[g]))
+        labels = list(dict.fromkeys(label for g in groups for label, v in panel.series[g].items() if v is not None))
         width = 0.8 / max(1, len(labels))
         for i, label in enumerate(labels):
             ys = [panel.series[g].get(label, 0) or 0 for g in groups]
