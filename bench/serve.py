@@ -30,6 +30,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -439,13 +440,18 @@ def start(spec: str, args, prompts: list[Prompt]) -> tuple[Target, subprocess.Po
     cmd = launch_command(spec, port, args, prompts)
     target = Target(spec, f"http://127.0.0.1:{port}", command=cmd)
     report.stage(f"starting {spec}: {' '.join(cmd)}")
-    log = open(os.devnull, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True)
+    # the server's log goes to a file, not a pipe: llama-server logs every request, and a full pipe would stall it
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    proc.log = log
     progress = report.Progress(f"waiting for {spec} to load")
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise BenchError(f"{spec} exited with code {proc.returncode}: {proc.stderr.read()[-1500:].strip()}")
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-1500:].strip()
+            log.close()
+            raise BenchError(f"{spec} exited with code {proc.returncode}: {tail}")
         try:
             r = httpx.get(f"{target.base_url}/health", timeout=2)
             if r.status_code == 200:
@@ -468,8 +474,7 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    if proc.stderr:
-        proc.stderr.close()
+    proc.log.close()
 
 
 # ------------------------------------------------------------------------------------------------------------ run
