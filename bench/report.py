@@ -237,11 +237,13 @@ def _draw(ax, panel: Panel) -> None:
             ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_ylim(bottom=0)
     elif panel.kind == "cdf":
+        every = []
         for label, values in panel.series.items():
             values = np.sort(np.asarray([v for v in values if v is not None], dtype=float))
             if len(values):
                 ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=label)
-        if panel.logx:
+                every += [values[0], values[-1]]
+        if panel.logx and every and min(every) > 0 and max(every) / min(every) >= 10:   # else no decade to label
             ax.set_xscale("log")
             ax.xaxis.set_major_formatter(ScalarFormatter())
             ax.xaxis.set_minor_formatter(NullFormatter())

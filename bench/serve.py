@@ -530,20 +530,34 @@ def print_summary(runs: list[dict]) -> None:
 
 
 def plot(path: Path, runs: list[dict], title: str) -> None:
-    line, ttft, itl = {}, {}, {}
-    for run in runs:
-        label = run["server"]["label"]
-        line[label] = ([lv["summary"]["concurrency"] for lv in run["levels"]],
-                       [lv["summary"]["output_tok_s"] for lv in run["levels"]])
-        for lv in run["levels"]:
-            key = f"{label}, c={lv['summary']['concurrency']}" if len(runs) > 1 else f"c={lv['summary']['concurrency']}"
-            ok = [r for r in lv["requests"] if r["error"] is None]
-            ttft[key] = [r["ttft_s"] * 1000 for r in ok if r["ttft_s"] is not None]
-            itl[key] = [g * 1000 for r in ok for g in r["itl_s"]]
-    report.save_plot(path, [
-        report.Panel("output throughput", "line", line, "concurrent requests", "output tok/s", logx=True),
-        report.Panel("time to first token", "cdf", ttft, "TTFT (ms)", logx=True),
-        report.Panel("inter-token latency", "cdf", itl, "ITL (ms)", logx=True)], title)
+    """Throughput against concurrency, and the TTFT and ITL distributions: per level for one server; for several,
+    one line per server at the highest and the lowest level (twelve lines in one panel cannot be read)."""
+    def ttft(level: dict) -> list[float]:
+        return [r["ttft_s"] * 1000 for r in level["requests"] if r["error"] is None and r["ttft_s"] is not None]
+
+    def itl(level: dict) -> list[float]:
+        return [g * 1000 for r in level["requests"] if r["error"] is None for g in r["itl_s"]]
+
+    panels = [report.Panel("output throughput", "line", {
+        run["server"]["label"]: ([lv["summary"]["concurrency"] for lv in run["levels"]],
+                                 [lv["summary"]["output_tok_s"] for lv in run["levels"]]) for run in runs},
+        "concurrent requests", "output tok/s", logx=True)]
+    if len(runs) == 1:
+        levels = {f"c={lv['summary']['concurrency']}": lv for lv in runs[0]["levels"]}
+        panels += [report.Panel("time to first token", "cdf", {k: ttft(lv) for k, lv in levels.items()},
+                                "TTFT (ms)", logx=True),
+                   report.Panel("inter-token latency", "cdf", {k: itl(lv) for k, lv in levels.items()},
+                                "ITL (ms)", logx=True)]
+    else:
+        for i in dict.fromkeys([-1, 0]):   # the highest level, then the lowest
+            c = runs[0]["levels"][i]["summary"]["concurrency"]
+            panels += [report.Panel(f"time to first token, concurrency {c}", "cdf",
+                                    {run["server"]["label"]: ttft(run["levels"][i]) for run in runs},
+                                    "TTFT (ms)", logx=True),
+                       report.Panel(f"inter-token latency, concurrency {c}", "cdf",
+                                    {run["server"]["label"]: itl(run["levels"][i]) for run in runs},
+                                    "ITL (ms)", logx=True)]
+    report.save_plot(path, panels, title)
 
 
 def main(argv: list[str] | None = None) -> int:
