@@ -190,8 +190,14 @@ def load_tokenizer(name: str | None, model: str):
             continue
         from transformers import AutoTokenizer
 
+        from engine.errors import ModelLoadError
         from engine.models.loader import resolve_model_dir   # a .gguf is converted (and cached) once, as rtserve does
-        return AutoTokenizer.from_pretrained(resolve_model_dir(candidate))
+        try:
+            path = Path(candidate).expanduser() if candidate else None
+            return AutoTokenizer.from_pretrained(path if path and path.is_dir() else resolve_model_dir(path))
+        except (ModelLoadError, OSError, ValueError) as e:
+            raise BenchError(f"cannot load the tokenizer of {candidate or 'the embedded model'} "
+                             f"(--tokenizer none counts words): {e}") from None
     return None
 
 
