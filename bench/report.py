@@ -58,6 +58,7 @@ class Progress:
         self.tty = self.stream.isatty()
         self.start = self.last = time.monotonic()
         self.done = 0
+        self.shown = ""   # the last state written, so close() does not repeat it
 
     def advance(self, note: str = "") -> None:
         """One more unit of work done (a request, a turn, a round)."""
@@ -70,7 +71,11 @@ class Progress:
             return
         self.last = now
         count = "" if done is None else f" {done}/{self.total}" if self.total is not None else f" {done}"
-        line = f"{self.label}:{count}{' ' + note if note else ''} [{now - self.start:.0f} s]"
+        state = f"{self.label}:{count}{' ' + note if note else ''}"
+        if force and state == self.shown and not self.tty:
+            return
+        self.shown = state
+        line = f"{state} [{now - self.start:.0f} s]"
         if self.tty:
             self.stream.write("\r\033[K" + line)
         else:
@@ -115,8 +120,7 @@ def table(columns: list[Column], rows: list[list]) -> str:
 
 
 def print_table(columns: list[Column], rows: list[list], title: str | None = None) -> None:
-    if title:
-        print(f"\n{title}\n")
+    print(f"\n{title}\n" if title else "")
     print(table(columns, rows), flush=True)
 
 
@@ -231,9 +235,10 @@ def _draw(ax, panel: Panel) -> None:
     if panel.kind == "line":
         for label, (xs, ys) in panel.series.items():
             ax.plot(xs, ys, marker="o", label=label)
+        xs = sorted({x for xs, _ in panel.series.values() for x in xs})
         if panel.logx:
             ax.set_xscale("log", base=2)
-            xs = sorted({x for xs, _ in panel.series.values() for x in xs})
+        if len(xs) <= 12:   # levels, turns: label each one, not the axis' fractions
             ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_ylim(bottom=0)
     elif panel.kind == "cdf":
