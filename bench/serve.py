@@ -34,6 +34,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import IO
 from urllib.parse import urlsplit
 
 import httpx
@@ -441,15 +442,21 @@ def launch_command(spec: str, port: int, args, prompts: list[Prompt]) -> list[st
     return cmd + extra.split()
 
 
-def start(spec: str, args, prompts: list[Prompt]) -> tuple[Target, subprocess.Popen]:
+@dataclass(slots=True)
+class Launched:
+    proc: subprocess.Popen
+    log: IO[bytes]   # the server's stdout and stderr, for the reason when it fails to start
+
+
+def start(spec: str, args, prompts: list[Prompt]) -> tuple[Target, Launched]:
     port = free_port()
     cmd = launch_command(spec, port, args, prompts)
     target = Target(spec, f"http://127.0.0.1:{port}", command=cmd)
     report.stage(f"starting {spec}: {' '.join(cmd)}")
     # the server's log goes to a file, not a pipe: llama-server logs every request, and a full pipe would stall it
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
-    proc.log = log
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    launched = Launched(proc, log)
     progress = report.Progress(f"waiting for {spec} to load")
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -462,25 +469,25 @@ def start(spec: str, args, prompts: list[Prompt]) -> tuple[Target, subprocess.Po
             r = httpx.get(f"{target.base_url}/health", timeout=2)
             if r.status_code == 200:
                 progress.close("ready")
-                return target, proc
+                return target, launched
             stage_name = r.json().get("stage") or r.json().get("status") if r.headers.get(
                 "content-type", "").startswith("application/json") else None
             progress.update(note=f"({stage_name})" if stage_name else "")
         except (httpx.HTTPError, ValueError, AttributeError):
             progress.update()
         time.sleep(0.5)
-    stop(proc)
+    stop(launched)
     raise BenchError(f"{spec} did not become ready within 900 s")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
+def stop(launched: Launched) -> None:
+    launched.proc.terminate()
     try:
-        proc.wait(30)
+        launched.proc.wait(30)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    proc.log.close()
+        launched.proc.kill()
+        launched.proc.wait()
+    launched.log.close()
 
 
 # ------------------------------------------------------------------------------------------------------------ run
@@ -597,21 +604,21 @@ def run(args) -> int:
                  f"{args.range_ratio:.0%} tokens, seed {args.seed}, endpoint {args.endpoint}")
     runs = []
     for spec in specs:
-        proc = None
+        launched = None
         if spec is None:
             target = targets[0]
         else:
-            target, proc = start(spec, args, prompts)
+            target, launched = start(spec, args, prompts)
             try:
                 discover(target, args.model, args.api_key)
             except BenchError:
-                stop(proc)
+                stop(launched)
                 raise
         try:
             runs.append(measure(target, args, workload))
         finally:
-            if proc is not None:
-                stop(proc)
+            if launched is not None:
+                stop(launched)
     print(f"\nrtserve bench serve, endpoint /v1/{args.endpoint}: prompts {args.input_len} ± {args.range_ratio:.0%} "
           f"{unit}, outputs {args.output_len} ± {args.range_ratio:.0%} tokens, seed {args.seed}")
     print_summary(runs)
