@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from statistics import median
 from pathlib import Path
 from typing import IO
 from urllib.parse import urlsplit
@@ -154,6 +155,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--output-len", type=positive(int), default=64, help="mean output length in tokens (default 64)")
     ap.add_argument("--range-ratio", type=ratio, default=0.5,
                     help="lengths are uniform in mean × [1 − r, 1 + r] (default 0.5; 0: all equal)")
+    ap.add_argument("--rounds", type=positive(int), default=1,
+                    help="repeat the whole run (every --launch server in turn, or the --base-url sweep) this many "
+                         "times, each round on prompts of its own; the tables give the median of the rounds and the "
+                         "median of the per-round ratios, as a shared machine's speed drifts within minutes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     ap.add_argument("--tokenizer", default=None,
@@ -517,34 +522,61 @@ COLUMNS = [report.Column("server"), report.Column("concurrency"), report.Column(
 
 
 def print_summary(runs: list[dict]) -> None:
+    rounds = max(run["round"] for run in runs)
+    columns = COLUMNS if rounds == 1 else [report.Column("round")] + COLUMNS
     rows = []
     for run in runs:
         for level in run["levels"]:
             s = level["summary"]
-            rows.append([run["server"]["label"], s["concurrency"], s["requests"], s["errors"], s["wrong_length"],
+            rows.append([run["round"]] * (rounds > 1) + [
+                         run["server"]["label"], s["concurrency"], s["requests"], s["errors"], s["wrong_length"],
                          s["output_tok_s"], s["request_s"], s["ttft_ms"]["p50"], s["ttft_ms"]["p95"],
                          s["ttft_ms"]["p99"], s["itl_ms"]["p50"], s["itl_ms"]["p95"], s["itl_ms"]["p99"],
                          s["tpot_ms"]["p50"]])
-    report.print_table(COLUMNS, rows)
-    if len(runs) > 1:
-        base = runs[0]
-        label = base["server"]["label"]
-        cols = [report.Column("concurrency")] + [report.Column(f"{r['server']['label']}", "tok/s") for r in runs] + \
-               [report.Column(f"{r['server']['label']} / {label}", "×", 2) for r in runs[1:]]
+    report.print_table(columns, rows)
+    labels = list(dict.fromkeys(run["server"]["label"] for run in runs))
+    if len(labels) > 1 or rounds > 1:
+        tok = {(run["round"], run["server"]["label"]): [lv["summary"]["output_tok_s"] for lv in run["levels"]]
+               for run in runs}
+        base = labels[0]
+        cols = [report.Column("concurrency")] + [report.Column(label, "tok/s") for label in labels] + \
+               [report.Column(f"{label} / {base}", "×", 2) for label in labels[1:]]
         rows = []
-        for i, concurrency in enumerate(lv["summary"]["concurrency"] for lv in base["levels"]):
-            tok = [r["levels"][i]["summary"]["output_tok_s"] for r in runs]
-            rows.append([concurrency, *tok, *[t / tok[0] if tok[0] else None for t in tok[1:]]])
-        report.print_table(cols, rows, "output tok/s side by side:")
+        for i, concurrency in enumerate(lv["summary"]["concurrency"] for lv in runs[0]["levels"]):
+            medians = [median([tok[(r, label)][i] for r in range(1, rounds + 1)]) for label in labels]
+            ratios = [[tok[(r, label)][i] / tok[(r, base)][i] for r in range(1, rounds + 1) if tok[(r, base)][i]]
+                      for label in labels[1:]]
+            ratios = [median(xs) if xs else None for xs in ratios]
+            rows.append([concurrency, *medians, *ratios])
+        what = "output tok/s" + (f", median of {rounds} rounds (ratios: median of the per-round ratios)"
+                                 if rounds > 1 else " side by side")
+        report.print_table(cols, rows, what + ":")
     for run in runs:
         for level in run["levels"]:
             for err in level["summary"]["first_errors"]:
                 print(f"{run['server']['label']} concurrency {level['summary']['concurrency']}: error: {err}")
 
 
+def merge_rounds(runs: list[dict]) -> list[dict]:
+    """One run per server: its rounds' requests pooled per level, the median of their output tok/s."""
+    merged: dict[str, dict] = {}
+    for run in runs:
+        into = merged.setdefault(run["server"]["label"], {"server": run["server"], "levels": [
+            {"summary": {**lv["summary"], "rounds_tok_s": []}, "requests": []} for lv in run["levels"]]})
+        for level, lv in zip(into["levels"], run["levels"]):
+            level["requests"] += lv["requests"]
+            level["summary"]["rounds_tok_s"].append(lv["summary"]["output_tok_s"])
+    for run in merged.values():
+        for level in run["levels"]:
+            level["summary"]["output_tok_s"] = median(level["summary"]["rounds_tok_s"])
+    return list(merged.values())
+
+
 def plot(path: Path, runs: list[dict], title: str) -> None:
     """Throughput against concurrency, and the TTFT and ITL distributions: per level for one server; for several,
-    one line per server at the highest and the lowest level (twelve lines in one panel cannot be read)."""
+    one line per server at the highest and the lowest level (twelve lines in one panel cannot be read). Rounds are
+    pooled (the median of their tok/s)."""
+    runs = merge_rounds(runs)
     def ttft(level: dict) -> list[float]:
         return [r["ttft_s"] * 1000 for r in level["requests"] if r["error"] is None and r["ttft_s"] is not None]
 
@@ -594,31 +626,35 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.tokenizer, model_name)
     unit = "tokens" if tokenizer is not None else "words"
     counts = [args.num_prompts or max(4, 2 * c) for c in args.concurrency]
-    prompts = make_workload(sum(counts), args.seed, args.input_len, args.output_len, args.range_ratio, tokenizer)
-    workload, i = [], 0
-    for n in counts:
-        workload.append(prompts[i:i + n])
-        i += n
+    prompts = make_workload(sum(counts) * args.rounds, args.seed, args.input_len, args.output_len, args.range_ratio,
+                            tokenizer)
+    workloads, i = [], 0   # per round, per level: prompts of its own, the same for every server of the round
+    for _ in range(args.rounds):
+        workloads.append([])
+        for n in counts:
+            workloads[-1].append(prompts[i:i + n])
+            i += n
     report.stage(f"rtserve bench serve: concurrency {args.concurrency}, {counts} requests, prompts "
                  f"{args.input_len} ± {args.range_ratio:.0%} {unit}, outputs {args.output_len} ± "
                  f"{args.range_ratio:.0%} tokens, seed {args.seed}, endpoint {args.endpoint}")
     runs = []
-    for spec in specs:
-        launched = None
-        if spec is None:
-            target = targets[0]
-        else:
-            target, launched = start(spec, args, prompts)
+    for round_, workload in enumerate(workloads, 1):
+        for spec in specs:
+            launched = None
+            if spec is None:
+                target = targets[0]
+            else:
+                target, launched = start(spec, args, prompts)
+                try:
+                    discover(target, args.model, args.api_key)
+                except BenchError:
+                    stop(launched)
+                    raise
             try:
-                discover(target, args.model, args.api_key)
-            except BenchError:
-                stop(launched)
-                raise
-        try:
-            runs.append(measure(target, args, workload))
-        finally:
-            if launched is not None:
-                stop(launched)
+                runs.append({"round": round_, **measure(target, args, workload)})
+            finally:
+                if launched is not None:
+                    stop(launched)
     print(f"\nrtserve bench serve, endpoint /v1/{args.endpoint}: prompts {args.input_len} ± {args.range_ratio:.0%} "
           f"{unit}, outputs {args.output_len} ± {args.range_ratio:.0%} tokens, seed {args.seed}")
     print_summary(runs)
@@ -628,7 +664,8 @@ def run(args) -> int:
     path = report.plot_path(args)
     if path:
         m = report.machine()
-        plot(path, runs, f"rtserve bench serve: {', '.join(r['server']['label'] for r in runs)} on {m['cpu']} "
+        labels = dict.fromkeys(r["server"]["label"] for r in runs)
+        plot(path, runs, f"rtserve bench serve: {', '.join(labels)} on {m['cpu']} "
                          f"({m['cpus']} CPUs), in {args.input_len} / out {args.output_len} tokens")
     return 0
 

@@ -53,14 +53,17 @@ def test_bench_serve_chat(server, tmp_path, capsys):
     asyncio.run(server.wait_idle())
 
 
-def test_bench_serve_completions_fixed_lengths(server, capsys):
+def test_bench_serve_completions_in_rounds(server, capsys):
     rc = bench_serve("--base-url", server.root_url, "--endpoint", "completions", "--concurrency", "2",
                      "--num-prompts", "2", "--input-len", "16", "--output-len", "5", "--range-ratio", "0",
-                     "--tokenizer", "none", "--seed", "7")
+                     "--tokenizer", "none", "--seed", "7", "--rounds", "2")
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    row = next(line for line in captured.out.splitlines() if line.startswith(f"| {server.root_url} | 2 |"))
-    assert row.split("|")[3:6] == [" 2 ", " 0 ", " 0 "]   # requests, errors, wrong length
+    for round_ in (1, 2):
+        row = next(line for line in captured.out.splitlines()
+                   if line.startswith(f"| {round_} | {server.root_url} | 2 |"))
+        assert row.split("|")[4:7] == [" 2 ", " 0 ", " 0 "]   # requests, errors, wrong length
+    assert "median of 2 rounds" in captured.out
     asyncio.run(server.wait_idle())
 
 
