@@ -17,7 +17,8 @@ streamed chunks when a server sends no usage), checked against the requested len
 Per level: output tok/s and requests/s over the level's wall time (first request sent to last one done); TTFT
 (request sent to its first text); ITL, the gaps between a stream's text chunks after the first; TPOT, (latency −
 TTFT) / (output tokens − 1) per request; each as p50 / p95 / p99 in ms; errors. `--launch KIND[:FLAGS],...` starts
-each server in turn (rtserve, llama-server), measures it and stops it; the table then compares them.
+each server in turn (rtserve, llama-server), measures it and stops it; the table then compares them. `--rounds N`
+repeats it all N times, each round on prompts of its own, and compares medians.
 """
 from __future__ import annotations
 
