@@ -11,13 +11,13 @@ its own, so nothing hits the prefix cache. Also reports the turn's TTFT with no 
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
 import time
 from dataclasses import fields
 
+from bench import report
 from engine import AsyncEngine, EngineArgs, SamplingParams
 
 FIRST = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -41,6 +41,7 @@ async def idle(eng: AsyncEngine) -> None:
 async def run(eng: AsyncEngine, reps: int, background_tokens: int, lead_s: float) -> tuple[list[float], list[float]]:
     tok = eng.tokenizer
     alone, loaded = [], []
+    progress = report.Progress("priority reps", total=reps)
     for rep in range(reps):
         turn = tok.encode(f"Rep {rep}. User: what is the capital of France?\nAssistant:", add_special_tokens=False)
         alone.append(await first_token(eng, turn, 0))
@@ -52,11 +53,13 @@ async def run(eng: AsyncEngine, reps: int, background_tokens: int, lead_s: float
         bg.cancel()
         await asyncio.gather(bg, return_exceptions=True)
         await idle(eng)
+        progress.advance("reps done")
+    progress.close("reps done")
     return alone, loaded
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rtserve bench priority", description=__doc__.split("\n\n")[0])
+    ap = report.parser("priority", __doc__.split("\n\n")[0])
     ap.add_argument("--background-tokens", type=int, default=3000)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--lead-s", type=float, default=1.0, help="how long the long prompt runs before the turn arrives")
@@ -68,15 +71,27 @@ def main(argv: list[str] | None = None) -> int:
     for kv in filter(None, args.engine_args.split(",")):
         k, v = kv.split("=")
         kwargs[k] = None if v == "None" else float(v) if "." in v else int(v)
+    report.stage(f"loading the engine {kwargs} ...")
     eng = AsyncEngine(**kwargs)
     try:
         alone, loaded = asyncio.run(run(eng, args.reps, args.background_tokens, args.lead_s))
     finally:
         eng.shutdown()
     med = statistics.median
-    print(f"engine {kwargs}: turn TTFT alone p50 {med(alone) * 1000:.0f} ms | with a {args.background_tokens}-token "
-          f"priority-1 prompt in flight p50 {med(loaded) * 1000:.0f} ms, max {max(loaded) * 1000:.0f} ms "
-          f"({args.reps} reps: {' '.join(f'{x * 1000:.0f}' for x in loaded)})", flush=True)
+    print(f"engine {kwargs}, {args.reps} reps:")
+    report.print_table([report.Column("turn"), report.Column("TTFT p50", "ms", 0), report.Column("TTFT max", "ms", 0),
+                        report.Column("per rep", "ms")],
+                       [["alone", 1000 * med(alone), 1000 * max(alone), " ".join(f"{x * 1000:.0f}" for x in alone)],
+                        [f"with a {args.background_tokens}-token priority-1 prompt in flight", 1000 * med(loaded),
+                         1000 * max(loaded), " ".join(f"{x * 1000:.0f}" for x in loaded)]])
+    if args.output:
+        report.write_json(args.output, args, {"engine_args": kwargs, "ttft_alone_s": alone, "ttft_loaded_s": loaded})
+    path = report.plot_path(args)
+    if path:
+        report.save_plot(path, [report.Panel("Realtime turn's time to first token", "bars", {
+            "p50": {"alone": 1000 * med(alone), "long prompt in flight": 1000 * med(loaded)},
+            "max": {"alone": 1000 * max(alone), "long prompt in flight": 1000 * max(loaded)}}, ylabel="ms")],
+            f"rtserve bench priority: {args.background_tokens}-token priority-1 prompt, {args.reps} reps")
     return 0
 
 

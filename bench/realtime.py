@@ -18,11 +18,13 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import httpx
 import orjson
 import websockets
+
+from bench import report
 
 QUESTIONS = ["What is the capital of France?", "Name three rivers in Europe.", "What is photosynthesis?",
              "Give me a synonym for happy.", "How many legs does a spider have?", "What is the boiling point of water?"]
@@ -51,7 +53,8 @@ class Turn:
     output_tokens: int = 0
 
 
-async def run_session(url: str, sid: int, turns: int, max_tokens: int, prompt_tokens: int) -> list[Turn]:
+async def run_session(url: str, sid: int, turns: int, max_tokens: int, prompt_tokens: int,
+                      progress: report.Progress | None = None) -> list[Turn]:
     out = []
     async with websockets.connect(url, max_size=None) as ws:
         async def until(etype: str) -> dict:
@@ -93,6 +96,8 @@ async def run_session(url: str, sid: int, turns: int, max_tokens: int, prompt_to
             ttft = (first or time.perf_counter()) - start
             out.append(Turn(t + 1, ttft, gaps, usage.get("input_token_details", {}).get("cached_tokens", 0),
                             usage.get("input_tokens", 0), usage.get("output_tokens", 0)))
+            if progress is not None:
+                progress.advance("turns done")
     return out
 
 
@@ -107,9 +112,9 @@ def ms(x: float) -> str:
     return f"{x * 1000:7.0f}"
 
 
-async def run_load(url: str, sessions: int, args) -> list[list[Turn]]:
-    return await asyncio.gather(*(run_session(url, i, args.turns, args.max_output_tokens, args.system_tokens)
-                                  for i in range(sessions)))
+async def run_load(url: str, sessions: int, args, progress: report.Progress | None = None) -> list[list[Turn]]:
+    return await asyncio.gather(*(run_session(url, i, args.turns, args.max_output_tokens, args.system_tokens,
+                                              progress) for i in range(sessions)))
 
 
 def summarize(mode: str, sessions: int, results: list[list[Turn]], wall: float, turns: int) -> dict:
@@ -120,11 +125,38 @@ def summarize(mode: str, sessions: int, results: list[list[Turn]], wall: float, 
     cached = {n: statistics.mean([t.cached_tokens / max(1, t.input_tokens) for t in all_turns if t.index == n])
               for n in range(1, turns + 1)}
     out_tokens = sum(t.output_tokens for t in all_turns)
-    print(f"{mode:>9} {sessions:>4} | ttft p50 {ms(pct(ttfts, 50))} p95 {ms(pct(ttfts, 95))} | "
-          f"gap p50 {ms(pct(gaps, 50))} p95 {ms(pct(gaps, 95))} | turn TTFT p50 "
-          + " ".join(f"t{n}:{ms(v).strip()}" for n, v in per_turn.items())
-          + f" | cached t{turns} {cached[turns]:.0%} | {out_tokens / wall:6.1f} tok/s", flush=True)
-    return {"per_turn": per_turn}
+    return {"mode": mode, "sessions": sessions, "ttft_p50": pct(ttfts, 50), "ttft_p95": pct(ttfts, 95),
+            "gap_p50": pct(gaps, 50), "gap_p95": pct(gaps, 95), "per_turn": per_turn,
+            "cached_last_turn": cached[turns], "output_tok_s": out_tokens / wall, "wall_s": wall,
+            "turns": [[asdict(t) for t in r] for r in results]}
+
+
+def print_summaries(summaries: list[dict], turns: int) -> None:
+    cols = [report.Column("mode"), report.Column("sessions"), report.Column("TTFT p50", "ms", 0),
+            report.Column("TTFT p95", "ms", 0), report.Column("gap p50", "ms", 0), report.Column("gap p95", "ms", 0)]
+    cols += [report.Column(f"turn-{n} TTFT p50", "ms", 0) for n in range(1, turns + 1)]
+    cols += [report.Column(f"cached, turn {turns}", "%", 0), report.Column("output", "tok/s")]
+    report.print_table(cols, [[s["mode"], s["sessions"], 1000 * s["ttft_p50"], 1000 * s["ttft_p95"],
+                               1000 * s["gap_p50"], 1000 * s["gap_p95"],
+                               *[1000 * s["per_turn"][n] for n in range(1, turns + 1)],
+                               100 * s["cached_last_turn"], s["output_tok_s"]] for s in summaries])
+
+
+def plot(path, summaries: list[dict], title: str) -> None:
+    modes = list(dict.fromkeys(s["mode"] for s in summaries))
+    line = {m: ([s["sessions"] for s in summaries if s["mode"] == m],
+                [s["output_tok_s"] for s in summaries if s["mode"] == m]) for m in modes}
+    per_turn = {f"{s['mode']}, {s['sessions']} sessions": (list(s["per_turn"]), [1000 * v for v in
+                                                                                 s["per_turn"].values()])
+                for s in summaries}
+    ttft = {f"{s['mode']}, {s['sessions']}": [1000 * t["ttft"] for r in s["turns"] for t in r] for s in summaries}
+    gaps = {f"{s['mode']}, {s['sessions']}": [1000 * g for r in s["turns"] for t in r for g in t["gaps"]]
+            for s in summaries}
+    report.save_plot(path, [
+        report.Panel("output throughput", "line", line, "concurrent sessions", "output tok/s", logx=True),
+        report.Panel("time to first delta", "cdf", ttft, "TTFT (ms)", logx=True),
+        report.Panel("gaps between deltas", "cdf", gaps, "gap (ms)", logx=True),
+        report.Panel("TTFT p50 per turn", "line", per_turn, "turn", "TTFT p50 (ms)")], title)
 
 
 def free_port() -> int:
@@ -138,22 +170,26 @@ def start_server(port: int, prefix_cache: bool, extra: list[str]) -> subprocess.
     if not prefix_cache:
         cmd.append("--no-prefix-caching")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    progress = report.Progress(f"starting rtserve serve{'' if prefix_cache else ' --no-prefix-caching'}")
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            if r.status_code == 200:
+                progress.close("ready")
                 return proc
-        except httpx.HTTPError:
-            pass
+            progress.update(note=f"({r.json().get('stage') or 'loading'})")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            progress.update()
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError("server did not become ready")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="rtserve bench realtime", description=__doc__.split("\n\n")[0])
+    ap = report.parser("realtime", __doc__.split("\n\n")[0])
     ap.add_argument("--sessions", default="8,32", help="comma-separated concurrent session counts")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-output-tokens", type=int, default=32)
@@ -181,9 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             asyncio.run(run_load(url, 1, argparse.Namespace(**{**vars(args), "turns": 1})))  # warm-up
             for n in counts:
+                progress = report.Progress(f"{mode}, {n} sessions", total=n * args.turns)
                 start = time.perf_counter()
-                results = asyncio.run(run_load(url, n, args))
+                results = asyncio.run(run_load(url, n, args, progress))
                 summaries[(mode, n)] = summarize(mode, n, results, time.perf_counter() - start, args.turns)
+                progress.close(f"turns done, {summaries[(mode, n)]['output_tok_s']:.1f} output tok/s")
         finally:
             if proc is not None:
                 proc.terminate()
@@ -191,12 +229,19 @@ def main(argv: list[str] | None = None) -> int:
                     proc.wait(30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+    print_summaries(list(summaries.values()), args.turns)
     for n in counts:
         on, off = summaries.get(("cache", n)), summaries.get(("nocache", n))
         if on and off:
             t = args.turns
             print(f"sessions {n}: turn-{t} TTFT p50 {ms(on['per_turn'][t]).strip()} ms with the prefix cache vs "
                   f"{ms(off['per_turn'][t]).strip()} ms without ({off['per_turn'][t] / on['per_turn'][t]:.1f}x)")
+    if args.output:
+        report.write_json(args.output, args, {"runs": list(summaries.values())})
+    path = report.plot_path(args)
+    if path:
+        plot(path, list(summaries.values()), f"rtserve bench realtime: ~{args.system_tokens}-token system prompt, "
+                                              f"{args.turns} turns, {args.max_output_tokens} output tokens per turn")
     return 0
 
 

@@ -23,12 +23,13 @@ llguidance and outlines-core are not dependencies of rtserve; install them to ru
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
+
+from bench import report
 
 SIMPLE = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -284,7 +285,7 @@ def feature_support(lib, tokenizer) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rtserve bench structured_libs", description=__doc__.split("\n\n")[0])
+    ap = report.parser("structured_libs", __doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=32, help="rows whose masks are filled per step")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the table shows the median")
     ap.add_argument("--compile-repeats", type=int, default=1, help="compiles per schema and round")
@@ -305,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     fill_s: dict[tuple[str, str], list[float]] = {}
     advance_s: dict[tuple[str, str], list[float]] = {}
     grammars = {}
+    progress = report.Progress("structured_libs rounds", total=args.rounds)
     for r in range(args.rounds):
         for schema_name, schema in SCHEMAS.items():
             for lib in libs:   # interleaved: each library in turn, every round
@@ -314,24 +316,40 @@ def main(argv: list[str] | None = None) -> int:
                 f, a = time_steps(lib, grammars[key], sequences[schema_name], args.batch, vocab_size)
                 fill_s.setdefault(key, []).append(f)
                 advance_s.setdefault(key, []).append(a)
-        print(f"round {r + 1}/{args.rounds} done", flush=True)
+        progress.advance("rounds done")
+    progress.close("rounds done")
     print(f"\ntokenizer: {vocab_size} logits, eos {eos_ids}; batch {args.batch} rows; steps per schema: "
           + ", ".join(f"{s} {min(map(len, seqs))}" for s, seqs in sequences.items()))
     print("setup (tokenizer tables, once per tokenizer): "
           + ", ".join(f"{n} {s * 1e3:.0f} ms" for n, s in setup.items()))
-    print("\n| library | schema | compile (ms) | mask fill, 32 rows (ms/step) | advance, 32 rows (ms/step) |"
-          .replace("32", str(args.batch)))
-    print("|---|---|---:|---:|---:|")
-    for schema_name in SCHEMAS:
-        for lib in libs:
-            key = (lib.name, schema_name)
-            print(f"| {lib.name} | {schema_name} | {statistics.median(compile_s[key]) * 1e3:.1f} | "
-                  f"{statistics.median(fill_s[key]) * 1e3:.3f} | {statistics.median(advance_s[key]) * 1e3:.3f} |")
+    med_ms = {key: {"compile": statistics.median(compile_s[key]) * 1e3, "fill": statistics.median(fill_s[key]) * 1e3,
+                    "advance": statistics.median(advance_s[key]) * 1e3} for key in compile_s}
+    report.print_table(
+        [report.Column("library"), report.Column("schema"), report.Column("compile", "ms"),
+         report.Column(f"mask fill, {args.batch} rows", "ms/step", 3),
+         report.Column(f"advance, {args.batch} rows", "ms/step", 3)],
+        [[lib.name, schema_name, *med_ms[(lib.name, schema_name)].values()] for schema_name in SCHEMAS
+         for lib in libs])
     support = {lib.name: feature_support(lib, tokenizer) for lib in libs}
-    print("\n| feature | " + " | ".join(lib.name for lib in libs) + " |")
-    print("|---|" + "---|" * len(libs))
-    for feature in FEATURES:
-        print(f"| {feature} | " + " | ".join(support[lib.name][feature] for lib in libs) + " |")
+    report.print_table([report.Column("feature")] + [report.Column(lib.name) for lib in libs],
+                       [[feature] + [support[lib.name][feature] for lib in libs] for feature in FEATURES])
+    if args.output:
+        report.write_json(args.output, args, {
+            "setup_s": setup, "steps": {s: min(map(len, seqs)) for s, seqs in sequences.items()},
+            "median_ms": [{"library": lib, "schema": schema, **v} for (lib, schema), v in med_ms.items()],
+            "rounds_s": [{"library": lib, "schema": schema, "compile": compile_s[(lib, schema)],
+                          "fill": fill_s[(lib, schema)], "advance": advance_s[(lib, schema)]}
+                         for lib, schema in compile_s],
+            "features": support})
+    path = report.plot_path(args)
+    if path:
+        def bars(what: str) -> dict:
+            return {schema: {lib.name: med_ms[(lib.name, schema)][what] for lib in libs} for schema in SCHEMAS}
+        report.save_plot(path, [
+            report.Panel("grammar compile (one schema, no cache)", "bars", bars("compile"), ylabel="ms"),
+            report.Panel(f"mask fill, {args.batch} rows", "bars", bars("fill"), ylabel="ms/step"),
+            report.Panel(f"matcher advance, {args.batch} rows", "bars", bars("advance"), ylabel="ms/step")],
+            f"rtserve bench structured_libs: median of {args.rounds} rounds")
     return 0
 
 

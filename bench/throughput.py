@@ -27,11 +27,12 @@ single stream.
 """
 from __future__ import annotations
 
-import argparse
 import random
 import time
 
 import torch
+
+from bench import report
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -179,8 +180,8 @@ def bench_spec(args, engine_args: dict) -> int:
 
 
 def print_engine(label: str, eng: dict) -> None:
-    print(f"[{label}] rtserve: {eng['tok_s']:.1f} tok/s ({eng['elapsed']:.1f} s, {eng['steps']} steps, "
-          f"kv waste {eng['kv_waste']:.2%})", flush=True)
+    report.stage(f"[{label}] rtserve: {eng['tok_s']:.1f} tok/s ({eng['elapsed']:.1f} s, {eng['steps']} steps, "
+                 f"kv waste {eng['kv_waste']:.2%})")
 
 
 def load_hf(dtype: str, device: str = "cpu"):
@@ -224,7 +225,7 @@ def bench_hf_static(model, prompts, outputs, batch_size: int = 8) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rtserve bench throughput", description=__doc__)
+    ap = report.parser("throughput", __doc__)
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
@@ -273,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                        device=args.device, enforce_eager=args.enforce_eager)
     if args.speculative_config is not None:
         return bench_spec(args, engine_args)
-    print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens, "
-          f"torch threads {torch.get_num_threads()}, {args.repeats} rounds", flush=True)
+    workload = f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens"
+    print(f"workload: {workload}, torch threads {torch.get_num_threads()}, {args.repeats} rounds", flush=True)
     rows = []
     structured_runs: dict[str, list[tuple[dict, dict]]] = {}
     for dtype in (["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]):
@@ -293,49 +294,74 @@ def main(argv: list[str] | None = None) -> int:
                     con = bench_engine(prompts, outputs, dtype, eargs, schema)
                     structured_runs.setdefault(label, []).append((eng, con))
                     print_engine(f"{label} + json schema, round {r + 1}", con)
-                    print(f"    mask {con['mask_ms_per_step']:.3f} ms/step of {con['step_ms']:.1f} ms/step, "
-                          f"{con['tok_s'] / eng['tok_s']:.3f}x unconstrained", flush=True)
+                    report.stage(f"    mask {con['mask_ms_per_step']:.3f} ms/step of {con['step_ms']:.1f} ms/step, "
+                                 f"{con['tok_s'] / eng['tok_s']:.3f}x unconstrained")
             if model is not None:
                 stats.append(bench_hf_static(model, prompts, outputs))
-                print(f"[{dtype}, round {r + 1}] HF static batch 8: {stats[-1]['tok_s']:.1f} tok/s "
-                      f"({stats[-1]['elapsed']:.1f} s)", flush=True)
+                report.stage(f"[{dtype}, round {r + 1}] HF static batch 8: {stats[-1]['tok_s']:.1f} tok/s "
+                             f"({stats[-1]['elapsed']:.1f} s)")
         seq = None
         if model is not None:
             seq = bench_hf_sequential(model, prompts, outputs)
-            print(f"[{dtype}] HF sequential: {seq['tok_s']:.1f} tok/s ({seq['elapsed']:.1f} s)", flush=True)
+            report.stage(f"[{dtype}] HF sequential: {seq['tok_s']:.1f} tok/s ({seq['elapsed']:.1f} s)")
             del model
         for label, _ in variants:
             rows.append((label, runs[label], seq, stats))
 
-    print("\n| dtype | rtserve tok/s | HF sequential tok/s | HF static-8 tok/s | vs sequential | vs static-8 | "
-          "KV waste at peak |")
-    print("|---|---|---|---|---|---|---|")
+    summary = []
     for label, engs, seq, stats in rows:
         eng = _median([e["tok_s"] for e in engs])
-        waste = engs[0]["kv_waste"]
-        if not stats:
-            print(f"| {label} | {eng:.1f} | - | - | - | - | {waste:.2%} |")
-            continue
-        stat = _median([s["tok_s"] for s in stats])
-        vs_stat = _median([e["tok_s"] / s["tok_s"] for e, s in zip(engs, stats)])
-        print(f"| {label} | {eng:.1f} | {seq['tok_s']:.1f} | {stat:.1f} | {eng / seq['tok_s']:.1f}x | {vs_stat:.1f}x | "
-              f"{waste:.2%} |")
-    if structured_runs:
-        print("\nconstrained (every request under a JSON schema) vs unconstrained, same workload, same rounds:\n"
-              "\n| dtype | requests | unconstrained tok/s | json schema tok/s | ratio | mask ms/step | step ms |")
-        print("|---|---|---|---|---|---|---|")
-        for label, pairs in structured_runs.items():
-            print(f"| {label} | {len(prompts)} | {_median([e['tok_s'] for e, _ in pairs]):.1f} | "
-                  f"{_median([c['tok_s'] for _, c in pairs]):.1f} | "
-                  f"{_median([c['tok_s'] / e['tok_s'] for e, c in pairs]):.3f}x | "
-                  f"{_median([c['mask_ms_per_step'] for _, c in pairs]):.3f} | "
-                  f"{_median([c['step_ms'] for _, c in pairs]):.1f} |")
+        stat = _median([s["tok_s"] for s in stats]) if stats else None
+        vs_stat = _median([e["tok_s"] / s["tok_s"] for e, s in zip(engs, stats)]) if stats else None
+        summary.append({"dtype": label, "rtserve_tok_s": eng, "hf_sequential_tok_s": seq["tok_s"] if seq else None,
+                        "hf_static8_tok_s": stat, "vs_sequential": eng / seq["tok_s"] if seq else None,
+                        "vs_static8": vs_stat, "kv_waste": engs[0]["kv_waste"]})
+    report.print_table(
+        [report.Column("dtype"), report.Column("rtserve", "tok/s"), report.Column("HF sequential", "tok/s"),
+         report.Column("HF static-8", "tok/s"), report.Column("vs sequential", "×"),
+         report.Column("vs static-8", "×"), report.Column("KV waste at peak", "%", 2)],
+        [[r["dtype"], r["rtserve_tok_s"], r["hf_sequential_tok_s"], r["hf_static8_tok_s"], r["vs_sequential"],
+          r["vs_static8"], 100 * r["kv_waste"]] for r in summary], f"workload: {workload}")
+    structured = []
+    for label, pairs in structured_runs.items():
+        structured.append({"dtype": label, "requests": len(prompts),
+                           "unconstrained_tok_s": _median([e["tok_s"] for e, _ in pairs]),
+                           "json_schema_tok_s": _median([c["tok_s"] for _, c in pairs]),
+                           "ratio": _median([c["tok_s"] / e["tok_s"] for e, c in pairs]),
+                           "mask_ms_per_step": _median([c["mask_ms_per_step"] for _, c in pairs]),
+                           "step_ms": _median([c["step_ms"] for _, c in pairs])})
+    if structured:
+        report.print_table(
+            [report.Column("dtype"), report.Column("requests"), report.Column("unconstrained", "tok/s"),
+             report.Column("json schema", "tok/s"), report.Column("ratio", "×", 3),
+             report.Column("mask", "ms/step", 3), report.Column("step", "ms")],
+            [list(r.values()) for r in structured],
+            "constrained (every request under a JSON schema) vs unconstrained, same workload, same rounds:")
     if args.repeats > 1:
         print("\nper round (rtserve tok/s / HF static-8 tok/s = ratio):")
         for label, engs, _, stats in rows:
             print(f"  {label}: " + ", ".join(f"{e['tok_s']:.0f}/{s['tok_s']:.0f}={e['tok_s'] / s['tok_s']:.1f}x"
                                              for e, s in zip(engs, stats)) if stats else
                   f"  {label}: " + ", ".join(f"{e['tok_s']:.0f}" for e in engs))
+    if args.output:
+        report.write_json(args.output, args, {
+            "workload": {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                         "output_tokens": sum(outputs)},
+            "summary": summary, "structured": structured,
+            "rounds": [{"dtype": label, "engine": engs, "hf_sequential": seq, "hf_static8": stats}
+                       for label, engs, seq, stats in rows],
+            "structured_rounds": {label: [{"unconstrained": e, "json_schema": c} for e, c in pairs]
+                                  for label, pairs in structured_runs.items()}})
+    path = report.plot_path(args)
+    if path:
+        panels = [report.Panel("output throughput, same workload", "bars", {
+            r["dtype"]: {"rtserve": r["rtserve_tok_s"], "HF static-8": r["hf_static8_tok_s"],
+                         "HF sequential": r["hf_sequential_tok_s"]} for r in summary}, ylabel="tok/s")]
+        if structured:
+            panels.append(report.Panel("JSON-schema constrained vs not", "bars", {
+                r["dtype"]: {"unconstrained": r["unconstrained_tok_s"], "json schema": r["json_schema_tok_s"]}
+                for r in structured}, ylabel="tok/s"))
+        report.save_plot(path, panels, f"rtserve bench throughput: {workload}")
     return 0
 
 

@@ -16,6 +16,7 @@ import statistics
 import time
 
 from audio.tts import CHUNK_FRAMES, FIRST_CHUNK_FRAMES, TTSWorker
+from bench import report
 from kernels import settings
 
 PIECES = ["The capital of France", "A spider has eight legs.", "Sure, here is a short", "Albania is a small country",
@@ -47,38 +48,53 @@ async def _burst(worker: TTSWorker, pieces: list[str]) -> dict:
             "gap_max": max(gaps)}
 
 
-async def _run(args) -> None:
+async def _run(args) -> dict:
     pieces = (PIECES * (args.pieces // len(PIECES) + 1))[:args.pieces]
     workers = {"streamed": TTSWorker(threads=args.threads, window_frames=(FIRST_CHUNK_FRAMES, CHUNK_FRAMES)),
                "whole clause": TTSWorker(threads=args.threads, window_frames=(1 << 20, 1 << 20))}
+    report.stage("loading piper and warming up both workers ...")
     for w in workers.values():
         await w.warmup()
     rows: dict[str, list[dict]] = {k: [] for k in workers}
+    progress = report.Progress("tts bursts", total=args.rounds * len(workers))
     for _ in range(args.rounds):
         for name, w in workers.items():
             rows[name].append(await _burst(w, pieces))
+            progress.advance(f"bursts done ({name})")
+    progress.close("bursts done")
     for w in workers.values():
         w.close()
     print(f"rtserve bench tts: {args.pieces} first clauses at once, {args.threads} TTS threads, {args.rounds} "
           "interleaved rounds (median of rounds)")
-    print("| synthesis | first audio p50 | first audio, last clause | clause done p50 | worst playback gap |")
-    print("|---|---:|---:|---:|---:|")
-    for name, rs in rows.items():
-        med = {k: 1000 * statistics.median(r[k] for r in rs) for k in rs[0]}
-        print(f"| {name} | {med['first_p50']:.0f} ms | {med['first_max']:.0f} ms | {med['done_p50']:.0f} ms | "
-              f"{med['gap_max']:.0f} ms |")
-    s, b = (1000 * statistics.median(r["first_p50"] for r in rows[k]) for k in ("streamed", "whole clause"))
+    medians = {name: {k: 1000 * statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rows.items()}
+    report.print_table(
+        [report.Column("synthesis"), report.Column("first audio p50", "ms", 0),
+         report.Column("first audio, last clause", "ms", 0), report.Column("clause done p50", "ms", 0),
+         report.Column("worst playback gap", "ms", 0)],
+        [[name, m["first_p50"], m["first_max"], m["done_p50"], m["gap_max"]] for name, m in medians.items()])
+    s, b = (medians[k]["first_p50"] for k in ("streamed", "whole clause"))
     print(f"first audio p50: streamed is {b / s:.2f}x sooner than whole-clause synthesis")
+    return {"rounds": rows, "median_ms": medians}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rtserve bench tts", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = report.parser("tts", __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pieces", type=int, default=8, help="clauses submitted at once")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=settings.integer("RTSERVE_TTS_THREADS"))
     args = ap.parse_args(argv)
-    asyncio.run(_run(args))
+    results = asyncio.run(_run(args))
+    if args.output:
+        report.write_json(args.output, args, results)
+    path = report.plot_path(args)
+    if path:
+        med = results["median_ms"]
+        report.save_plot(path, [report.Panel("a burst of first clauses (median of rounds)", "bars", {
+            "first audio p50": {k: m["first_p50"] for k, m in med.items()},
+            "first audio, last clause": {k: m["first_max"] for k, m in med.items()},
+            "clause done p50": {k: m["done_p50"] for k, m in med.items()},
+            "worst playback gap": {k: m["gap_max"] for k, m in med.items()}}, ylabel="ms")],
+            f"rtserve bench tts: {args.pieces} clauses at once, {args.threads} TTS threads")
     return 0
 
 

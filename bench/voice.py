@@ -30,6 +30,7 @@ import numpy as np
 import orjson
 import websockets
 
+from bench import report
 from bench.realtime import free_port, pct, start_server
 
 QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?", "What color is the sky?",
@@ -61,7 +62,7 @@ def make_clips() -> list[Clip]:
 
 
 async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_ms: int, max_tokens: int,
-                      delay_s: float = 0.0) -> list:
+                      delay_s: float = 0.0, progress: report.Progress | None = None) -> list:
     out = []
     await asyncio.sleep(delay_s)
     silence = base64.b64encode(bytes(RATE * 2 * chunk_ms // 1000)).decode()
@@ -126,6 +127,8 @@ async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_m
             if "audio" in marks:
                 turn["gap"] = playback["gap"]
             out.append(turn)
+            if progress is not None:
+                progress.advance("turns done")
     return out
 
 
@@ -181,7 +184,7 @@ def server_batches(url: str) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="rtserve bench voice", description=__doc__.split("\n\n")[0])
+    ap = report.parser("voice", __doc__.split("\n\n")[0])
     ap.add_argument("--sessions", default="1,8", help="comma-separated concurrent session counts")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--chunk-ms", type=int, default=40, help="append size (20-100 ms)")
@@ -202,33 +205,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rtserve bench voice: sessions {counts}, {args.turns} turns, {args.chunk_ms} ms appends in real time, "
           f"server VAD (500 ms silence), {args.max_output_tokens} output tokens, start spread {spreads} ms, "
           f"{os.cpu_count()} CPUs", flush=True)
+    report.stage("synthesizing the spoken questions (piper) ...")
     clips = make_clips()
     proc, url = None, args.url
+    runs, counters, rtf = [], None, None
     if url is None:
         port = free_port()
         proc = start_server(port, True, args.server_args.split())
         url = f"ws://127.0.0.1:{port}/v1/realtime"
     try:
         asyncio.run(run_session(url, 0, clips, 1, args.chunk_ms, args.max_output_tokens))  # warm-up
-        print("| sessions | start spread | turns | speech_stopped p50 | transcript p50 / p95 | first text p50 / p95 | "
-              "first audio p50 / p95 | first audio − speech_stopped p50 | playback gap p95 / max |", flush=True)
         for n in counts:
             for spread in (spreads if n > 1 else [0]):
+                progress = report.Progress(f"{n} sessions, spread {spread} ms", total=n * args.turns)
+
                 async def load():
                     return await asyncio.gather(*(run_session(url, i, clips, args.turns, args.chunk_ms,
-                                                              args.max_output_tokens, i * spread / 1000 / n)
+                                                              args.max_output_tokens, i * spread / 1000 / n, progress)
                                                   for i in range(n)))
                 turns = [t for r in asyncio.run(load()) for t in r]
-
-                def col(key: str, both: bool = True) -> str:
-                    vals = [t[key] for t in turns if key in t]
-                    p50 = f"{pct(vals, 50) * 1000:.0f} ms"
-                    return f"{p50} / {pct(vals, 95) * 1000:.0f} ms" if both else p50
-                gaps = [t["gap"] for t in turns if "gap" in t]
-                print(f"| {n} | {spread} ms | {len(turns)} | {col('stopped', False)} | {col('transcript')} | "
-                      f"{col('text')} | {col('audio')} | {col('after_stopped', False)} | "
-                      f"{pct(gaps, 95) * 1000:.0f} / {max(gaps) * 1000:.0f} ms |", flush=True)
-        print(f"server Whisper encoder batches (size×count): {server_batches(url)}", flush=True)
+                progress.close("turns done")
+                runs.append({"sessions": n, "spread_ms": spread, "turns": turns})
+        print_runs(runs)
+        counters = server_batches(url)
+        print(f"server Whisper encoder batches (size×count): {counters}", flush=True)
     finally:
         if proc is not None:
             proc.terminate()
@@ -240,7 +240,38 @@ def main(argv: list[str] | None = None) -> int:
         batched, single = encoder_rtf()
         print(f"Whisper tiny.en encoder RTF, 8 clips: batched {batched:.4f}, one by one {single:.4f} "
               f"({single / batched:.1f}x)", flush=True)
+        rtf = {"batched": batched, "one_by_one": single}
+    if args.output:
+        report.write_json(args.output, args, {"runs": runs, "server_counters": counters, "encoder_rtf": rtf})
+    path = report.plot_path(args)
+    if path:
+        label = lambda r: f"{r['sessions']} sessions, spread {r['spread_ms']} ms"   # noqa: E731
+        report.save_plot(path, [
+            report.Panel("end of speech → first audio", "cdf",
+                         {label(r): [1000 * t["audio"] for t in r["turns"] if "audio" in t] for r in runs}, "ms"),
+            report.Panel("end of speech → first text", "cdf",
+                         {label(r): [1000 * t["text"] for t in r["turns"] if "text" in t] for r in runs}, "ms"),
+            report.Panel("end of speech → transcript", "cdf",
+                         {label(r): [1000 * t["transcript"] for t in r["turns"] if "transcript" in t] for r in runs},
+                         "ms")],
+            f"rtserve bench voice: {args.turns} turns per session, {args.max_output_tokens} output tokens")
     return 0
+
+
+def print_runs(runs: list[dict]) -> None:
+    def p(r: dict, key: str, q: float) -> float:
+        return 1000 * pct([t[key] for t in r["turns"] if key in t], q)
+
+    cols = [report.Column("sessions"), report.Column("start spread", "ms", 0), report.Column("turns"),
+            report.Column("speech_stopped p50", "ms", 0), report.Column("transcript p50", "ms", 0),
+            report.Column("transcript p95", "ms", 0), report.Column("first text p50", "ms", 0),
+            report.Column("first text p95", "ms", 0), report.Column("first audio p50", "ms", 0),
+            report.Column("first audio p95", "ms", 0), report.Column("first audio − speech_stopped p50", "ms", 0),
+            report.Column("playback gap p95", "ms", 0), report.Column("playback gap max", "ms", 0)]
+    report.print_table(cols, [[r["sessions"], float(r["spread_ms"]), len(r["turns"]), p(r, "stopped", 50),
+                               p(r, "transcript", 50), p(r, "transcript", 95), p(r, "text", 50), p(r, "text", 95),
+                               p(r, "audio", 50), p(r, "audio", 95), p(r, "after_stopped", 50), p(r, "gap", 95),
+                               p(r, "gap", 100)] for r in runs])
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ BENCHMARKS = {
            "playback gap; streamed synthesis against piper's whole-clause way",
     "priority": "a Realtime-priority turn's time to first token while a long HTTP-priority prompt is in flight, on "
                 "the engine alone",
+    "serve": "any OpenAI-compatible server (rtserve, llama.cpp's llama-server, vLLM) over HTTP: a seeded workload "
+             "with fixed output lengths at a sweep of concurrency levels; output tok/s, TTFT, inter-token latency "
+             "(--base-url URL, or --launch rtserve,llama-server)",
     "structured_libs": "xgrammar (the engine's grammar library) against llguidance and outlines-core on the engine's "
                        "tokenizer: grammar compile time and token-mask time per decode step",
 }
