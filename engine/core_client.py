@@ -14,18 +14,23 @@ its parent (it watches the parent's sentinel); `shutdown` stops and joins it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.util   # (its exit hook, registered now, runs after ours: see _shutdown_at_exit)
 import shutil
 import tempfile
 import threading
+import weakref
 from collections import defaultdict
+from pathlib import Path
 from typing import AsyncIterator, Callable
 
 import msgspec
 import zmq
 
+import kernels
 from engine.config import EngineArgs
 from engine.core_process import decode_error, encode_params, encode_spec, run_engine_core
 from engine.errors import EngineDeadError, ModelLoadError
@@ -34,6 +39,22 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("rtserve.engine")
 LOAD_POLL_MS = 1000
+_live: weakref.WeakSet = weakref.WeakSet()    # clients not shut down yet
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    """Stop every core before multiprocessing's own exit hook terminates them (registered later, it runs first), so a
+    core ended by the interpreter's exit is not taken for a crash and started again."""
+    for client in list(_live):
+        client.shutdown()
+
+
+def replica_engine_args(engine_args: dict, data_parallel_size: int) -> dict:
+    """Engine arguments for one of `data_parallel_size` cores on this host: each gets its share of the CPU threads
+    (`num_threads`, else torch's default for this process)."""
+    total = engine_args.get("num_threads") or kernels.default_thread_count()
+    return {**engine_args, "num_threads": max(1, total // data_parallel_size)}
 
 
 class EngineCoreClient:
@@ -59,7 +80,7 @@ class EngineCoreClient:
         info = self._start()
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(info["model_dir"])
-        self.model_dir = info["model_dir"]
+        self.model_dir = Path(info["model_dir"])
         self.model_name = info["model_name"]
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
@@ -69,6 +90,7 @@ class EngineCoreClient:
         self.num_threads = info["num_threads"]
         self._receiver = threading.Thread(target=self._receive, name="rtserve-core-client", daemon=True)
         self._receiver.start()
+        _live.add(self)
 
     # ---- public API (AsyncEngine's) -----------------------------------------------------------------------------
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -155,6 +177,7 @@ class EngineCoreClient:
         if self._stopped:
             return
         self._stopped = True
+        _live.discard(self)
         self._send(["shutdown"])
         proc = self._proc
         if proc is not None:
