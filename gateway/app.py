@@ -251,4 +251,5 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
         state.sessions.pop(session.id, None)
     if session.close_reason != "client closed":  # we are ending it (slow reader): say why, without waiting long
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(websocket.close(code=session.close_code, reason=(session.close_reason or "")[:120]), 1.0)
+            await asyncio.wait_for(websocket.close(code=session.close_code,
+                                                   reason=(session.close_reason or "")[:120]), 1.0)

@@ -77,6 +77,7 @@ class Router:
         self.max_sessions = max_sessions or first.max_num_seqs
         self.tokenizer, self.model_name, self.model_dir = first.tokenizer, first.model_name, first.model_dir
         self.max_model_len, self.num_threads = first.max_model_len, first.num_threads
+        self.max_num_seqs = self.max_inflight * len(engines)     # what all replicas run at once
         self.on_sessions_lost: list[Callable[[list[str], str], None]] = []   # called on the event loop
         self._affinity: dict[str, Replica] = {}
         self._session_replicas: dict[str, set[Replica]] = {}    # every replica that may pin a session's blocks
