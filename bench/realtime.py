@@ -7,6 +7,12 @@ each session count opens that many Realtime sessions at once. Each session sets 
 `--turns` user turns (item.create + response.create). Reported per mode and session count: p50/p95 time to first
 delta (response.create → first text delta, measured by the client), p50/p95 gaps between deltas, and TTFT per turn
 index; the last line compares turn-N TTFT with and without the cache.
+
+    rtserve bench realtime --data-parallel-size 1,2 --router affinity,round-robin --sessions 32 --turns 4
+
+starts one server per engine-core count and router (`--data-parallel-size N --router R`, the router only matters
+for N > 1) instead, and compares each one's prefix-cache hit rate (cached / input tokens over every turn) and turn-N
+TTFT with the single replica's.
 """
 from __future__ import annotations
 
@@ -125,9 +131,10 @@ def summarize(mode: str, sessions: int, results: list[list[Turn]], wall: float, 
     cached = {n: statistics.mean([t.cached_tokens / max(1, t.input_tokens) for t in all_turns if t.index == n])
               for n in range(1, turns + 1)}
     out_tokens = sum(t.output_tokens for t in all_turns)
+    hit_rate = sum(t.cached_tokens for t in all_turns) / max(1, sum(t.input_tokens for t in all_turns))
     return {"mode": mode, "sessions": sessions, "ttft_p50": pct(ttfts, 50), "ttft_p95": pct(ttfts, 95),
             "gap_p50": pct(gaps, 50), "gap_p95": pct(gaps, 95), "per_turn": per_turn,
-            "cached_last_turn": cached[turns], "output_tok_s": out_tokens / wall, "wall_s": wall,
+            "cached_last_turn": cached[turns], "hit_rate": hit_rate, "output_tok_s": out_tokens / wall, "wall_s": wall,
             "turns": [[asdict(t) for t in r] for r in results]}
 
 
@@ -135,11 +142,12 @@ def print_summaries(summaries: list[dict], turns: int) -> None:
     cols = [report.Column("mode"), report.Column("sessions"), report.Column("TTFT p50", "ms", 0),
             report.Column("TTFT p95", "ms", 0), report.Column("gap p50", "ms", 0), report.Column("gap p95", "ms", 0)]
     cols += [report.Column(f"turn-{n} TTFT p50", "ms", 0) for n in range(1, turns + 1)]
-    cols += [report.Column(f"cached, turn {turns}", "%", 0), report.Column("output", "tok/s")]
+    cols += [report.Column(f"cached, turn {turns}", "%", 0), report.Column("hit rate", "%", 1),
+             report.Column("output", "tok/s")]
     report.print_table(cols, [[s["mode"], s["sessions"], 1000 * s["ttft_p50"], 1000 * s["ttft_p95"],
                                1000 * s["gap_p50"], 1000 * s["gap_p95"],
                                *[1000 * s["per_turn"][n] for n in range(1, turns + 1)],
-                               100 * s["cached_last_turn"], s["output_tok_s"]] for s in summaries])
+                               100 * s["cached_last_turn"], 100 * s["hit_rate"], s["output_tok_s"]] for s in summaries])
 
 
 def plot(path, summaries: list[dict], title: str) -> None:
@@ -197,6 +205,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--url", default=None, help="measure a running server (ws://host:port/v1/realtime) as it is")
     ap.add_argument("--modes", default="cache,nocache", help="which server variants to start: cache,nocache")
     ap.add_argument("--server-args", default="", help="extra `rtserve serve` flags for the started servers")
+    ap.add_argument("--data-parallel-size", default=None,
+                    help="comma-separated engine-core counts: one server per count (and router), prefix cache on")
+    ap.add_argument("--router", default="affinity,round-robin",
+                    help="comma-separated routers for the counts above 1: affinity, round-robin")
     return ap.parse_args(argv)
 
 
@@ -206,13 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rtserve bench realtime: sessions {counts}, {args.turns} turns, ~{args.system_tokens}-token system "
           f"prompt, {args.max_output_tokens} output tokens per turn, {os.cpu_count()} CPUs", flush=True)
     summaries: dict[tuple[str, int], dict] = {}
-    modes = [("external", None)] if args.url else [(m, m == "cache") for m in args.modes.split(",")]
-    for mode, cache in modes:
+    modes = [("external", None, [])] if args.url else [(m, m == "cache", []) for m in args.modes.split(",")]
+    if args.data_parallel_size and not args.url:
+        modes = []
+        for dp in (int(x) for x in args.data_parallel_size.split(",") if x):
+            for router in (args.router.split(",") if dp > 1 else ["affinity"]):
+                modes.append((f"dp{dp}" + (f"-{router}" if dp > 1 else ""), True,
+                              ["--data-parallel-size", str(dp), "--router", router]))
+    for mode, cache, mode_args in modes:
         proc = None
         url = args.url
         if url is None:
             port = free_port()
-            proc = start_server(port, cache, args.server_args.split())
+            proc = start_server(port, cache, args.server_args.split() + mode_args)
             url = f"ws://127.0.0.1:{port}/v1/realtime"
         try:
             asyncio.run(run_load(url, 1, argparse.Namespace(**{**vars(args), "turns": 1})))  # warm-up
@@ -231,6 +249,14 @@ def main(argv: list[str] | None = None) -> int:
                     proc.kill()
     print_summaries(list(summaries.values()), args.turns)
     for n in counts:
+        one = summaries.get(("dp1", n))
+        for (mode, m), summary in summaries.items():
+            if one and m == n and mode != "dp1":
+                t = args.turns
+                print(f"sessions {n}, {mode}: prefix-cache hit rate {summary['hit_rate']:.1%} = "
+                      f"{summary['hit_rate'] / max(1e-9, one['hit_rate']):.2f} of one replica's "
+                      f"({one['hit_rate']:.1%}); turn-{t} TTFT p50 {ms(summary['per_turn'][t]).strip()} ms vs "
+                      f"{ms(one['per_turn'][t]).strip()} ms")
         on, off = summaries.get(("cache", n)), summaries.get(("nocache", n))
         if on and off:
             t = args.turns

@@ -179,6 +179,50 @@ def bench_spec(args, engine_args: dict) -> int:
     return 0
 
 
+def bench_served(prompts, outputs, dtype: str, engine_args: dict, process: bool) -> dict:
+    """The workload through the served engine's asyncio interface, every request at once: the in-thread AsyncEngine,
+    or the engine core in a child process (EngineCoreClient). A fresh engine per run."""
+    import asyncio
+
+    from engine import AsyncEngine, SamplingParams
+    from engine.core_client import EngineCoreClient
+    eng = (EngineCoreClient if process else AsyncEngine)(dtype=dtype, **engine_args)
+
+    async def one(i: int, p: list[int], o: int) -> int:
+        n = 0
+        async for out in eng.generate(f"r{i}", p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)):
+            n += len(out.new_token_ids)
+        return n
+
+    async def run() -> tuple[float, int]:
+        await one(-1, prompts[0][:32], 4)    # warm-up
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(i, p, o) for i, (p, o) in enumerate(zip(prompts, outputs))))
+        return time.perf_counter() - t0, sum(counts)
+
+    try:
+        elapsed, n_out = asyncio.run(run())
+    finally:
+        eng.shutdown()
+    assert n_out == sum(outputs), "engine did not produce the requested lengths"
+    return {"elapsed": elapsed, "tokens": n_out, "tok_s": n_out / elapsed}
+
+
+def compare_engine_process(prompts, outputs, dtypes: list[str], engine_args: dict, repeats: int) -> None:
+    """In-thread AsyncEngine vs the engine core in its own process, interleaved rounds, on the same workload."""
+    print("\n| dtype | in-thread tok/s | engine-core process tok/s | process / in-thread (median of rounds) |")
+    print("|---|---|---|---|")
+    for dtype in dtypes:
+        thread, proc = [], []
+        for r in range(max(1, repeats)):
+            thread.append(bench_served(prompts, outputs, dtype, engine_args, process=False))
+            proc.append(bench_served(prompts, outputs, dtype, engine_args, process=True))
+            print(f"  [{dtype}, round {r + 1}] in-thread {thread[-1]['tok_s']:.1f} tok/s, process "
+                  f"{proc[-1]['tok_s']:.1f} tok/s", flush=True)
+        print(f"| {dtype} | {_median([t['tok_s'] for t in thread]):.1f} | {_median([p['tok_s'] for p in proc]):.1f} | "
+              f"{_median([p['tok_s'] / t['tok_s'] for t, p in zip(thread, proc)]):.3f}x |", flush=True)
+
+
 def print_engine(label: str, eng: dict) -> None:
     report.stage(f"[{label}] rtserve: {eng['tok_s']:.1f} tok/s ({eng['elapsed']:.1f} s, {eng['steps']} steps, "
                  f"kv waste {eng['kv_waste']:.2%})")
@@ -251,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                          'without and with speculative decoding instead of the HF comparison (see above)')
     ap.add_argument("--workload", default="both", choices=["repeat", "random", "both"],
                     help="with --speculative-config: prompts the reply quotes (drafts hit), random tokens, or both")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="instead: the in-thread AsyncEngine against the engine core in its own process "
+                         "(engine/core_client.py), every request at once through asyncio, interleaved rounds")
     args = ap.parse_args(argv)
     if args.speculative_config is not None:   # a bad config is one line and exit code 2, before anything loads
         from engine.config import SpeculativeConfig
@@ -276,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_spec(args, engine_args)
     workload = f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens"
     print(f"workload: {workload}, torch threads {torch.get_num_threads()}, {args.repeats} rounds", flush=True)
+    if args.engine_process:
+        compare_engine_process(prompts, outputs, ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype],
+                               engine_args, args.repeats)
+        return 0
     rows = []
     structured_runs: dict[str, list[tuple[dict, dict]]] = {}
     for dtype in (["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]):

@@ -69,6 +69,29 @@ class CompletionOutput:
     logprobs: list = field(default_factory=list)
 
 
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, vocab_size: int,
+                     max_model_len: int, kv_slots: int) -> None:
+    """The request checks of `LLMEngine.validate`, on plain values, so a client of an engine core in another process
+    (engine/core_client.py) refuses bad input before it crosses."""
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise InvalidRequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}",
+                                  param="cache_salt")
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}", param="params")
+    params.validate()
+    if not prompt_token_ids:
+        raise InvalidRequestError("prompt is empty", param="prompt")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidRequestError(f"prompt has token ids outside [0, {vocab_size})", param="prompt")
+    n = len(prompt_token_ids)
+    if n + 1 > max_model_len:
+        raise PromptTooLongError(f"prompt has {n} tokens; the model context is {max_model_len} "
+                                 f"(including at least one output token)", param="prompt")
+    if n + 1 > kv_slots:
+        raise PromptTooLongError(f"prompt has {n} tokens but the whole KV cache holds {kv_slots}; "
+                                 f"raise --kv-cache-memory", param="prompt")
+
+
 class LLMEngine:
     def __init__(self, **engine_args):
         args = EngineArgs.from_kwargs(**engine_args)
@@ -122,24 +145,8 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> None:
         """Everything a step will touch of this request, checked before it is queued, so that bad input fails the
         request here and never reaches a step."""
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}",
-                                      param="cache_salt")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}", param="params")
-        params.validate()
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt is empty", param="prompt")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt has token ids outside [0, {self.vocab_size})", param="prompt")
-        n = len(prompt_token_ids)
-        if n + 1 > self.max_model_len:
-            raise PromptTooLongError(f"prompt has {n} tokens; the model context is {self.max_model_len} "
-                                     f"(including at least one output token)", param="prompt")
-        pool = self.block_manager.num_slots
-        if n + 1 > pool:
-            raise PromptTooLongError(f"prompt has {n} tokens but the whole KV cache holds {pool}; "
-                                     f"raise --kv-cache-memory", param="prompt")
+        validate_request(prompt_token_ids, params, cache_salt, self.vocab_size, self.max_model_len,
+                         self.block_manager.num_slots)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None, session_id: str | None = None) -> str:

@@ -51,6 +51,9 @@ class Settings:
     served_model_name: list[str] | None = None   # names clients use for the model; None: the model's own name
     generation_config: str = "auto"   # sampling defaults: "auto" (the model's), "vllm" (none), or a path
     log_stats_interval: float = 0.0   # seconds between stats lines while busy (gateway/stats_log.py); 0: none
+    engine_process: bool = False   # the engine core in a child process (engine/core_client.py), not a thread
+    data_parallel_size: int = 1    # engine cores on this host behind gateway/router.py (each in its own process)
+    router: str = "affinity"       # "affinity" (sessions, then cached prefix) | "round-robin"
 
 
 def create_app(settings: Settings | None = None, engine=None) -> Starlette:
@@ -138,12 +141,27 @@ def _attach(app: Starlette, engine) -> None:
         tokenizer.chat_template = _read_template(settings.chat_template)
     app.state.served_model_names = list(settings.served_model_name or [engine.model_name])
     app.state.sampling_defaults = generation_config.sampling_defaults(
-        settings.generation_config, getattr(getattr(engine, "engine", None), "model_dir", None),   # the LLMEngine's
+        settings.generation_config, getattr(engine, "model_dir", None)   # a Router's / EngineCoreClient's
+        or getattr(getattr(engine, "engine", None), "model_dir", None),   # the LLMEngine's
         embedded=settings.model is None)
     app.state.renderer = PromptRenderer(tokenizer)
     app.state.tool_call_parser = tools.resolve_tool_call_parser(settings.tool_call_parser, tokenizer.chat_template,
                                                                app.state.renderer.takes_tools())
+    if hasattr(engine, "on_sessions_lost"):   # a Router: a replica that dies ends the sessions it held
+        engine.on_sessions_lost.append(lambda ids, why: _end_sessions(app, ids, why))
     app.state.engine = engine   # last: requests see the engine only with everything it needs
+
+
+_ending: set[asyncio.Task] = set()   # the tasks ending sessions (held, so none is collected while it runs)
+
+
+def _end_sessions(app: Starlette, session_ids: list[str], why: str) -> None:
+    for sid in session_ids:
+        session = app.state.sessions.get(sid)
+        if session is not None:
+            task = asyncio.get_running_loop().create_task(session.end_on_engine_fault(why))
+            _ending.add(task)
+            task.add_done_callback(_ending.discard)
 
 
 def _read_template(template: str) -> str:
@@ -197,7 +215,13 @@ async def _load_engine(settings: Settings):
     name = settings.model or "the embedded default model (SmolLM2-135M-Instruct)"
     log.info("loading %s ...", name)
     start = time.monotonic()
-    engine = await _alive(asyncio.to_thread(AsyncEngine, model=settings.model, **settings.engine_args), "model", start)
+    if settings.data_parallel_size > 1 or settings.engine_process:
+        from gateway.router import Router
+        make = lambda: Router.start(settings.data_parallel_size, settings.model, settings.engine_args,  # noqa: E731
+                                    policy=settings.router)
+    else:
+        make = lambda: AsyncEngine(model=settings.model, **settings.engine_args)  # noqa: E731
+    engine = await _alive(asyncio.to_thread(make), "model", start)
     stats = engine.stats()
     pages, page_size = stats.get("kv_pages_total"), stats.get("kv_page_size")
     log.info("model %s loaded in %.1f s (max_model_len %d, KV cache %s tokens: %s pages of %s)", engine.model_name,
@@ -245,4 +269,5 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
                  time.monotonic() - opened, session.close_reason or "server closed")
     if session.close_reason != "client closed":  # we are ending it (slow reader): say why, without waiting long
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(websocket.close(code=1008, reason=(session.close_reason or "")[:120]), 1.0)
+            await asyncio.wait_for(websocket.close(code=session.close_code,
+                                                   reason=(session.close_reason or "")[:120]), 1.0)

@@ -57,6 +57,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     ap = ap or ArgumentParser(prog="rtserve serve", description="OpenAI Realtime (WebSocket) + HTTP API server.",
                               formatter_class=HelpFormatter)
@@ -117,7 +124,17 @@ def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
                     help="share of the KV pool live sessions may keep pinned (engine default 0.5)")
     ap.add_argument("--device", default=None, help='"cpu" (default) or "cuda"')
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
-    ap.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: chosen per CPU)")
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="torch CPU threads (default: chosen per CPU); split evenly across --data-parallel-size "
+                         "engine cores")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                    help="run the engine core (scheduler, KV cache, model) in a child process instead of a thread of "
+                         "the server's")
+    ap.add_argument("--data-parallel-size", type=_positive_int, default=1,
+                    help="engine cores on this host, each in its own process with its own KV cache and a share of "
+                         "the threads; Realtime sessions stay on one, HTTP requests go where their prefix is cached")
+    ap.add_argument("--router", default="affinity", choices=["affinity", "round-robin"],
+                    help="with --data-parallel-size > 1: affinity (sessions, cached prefixes) or round-robin")
     ap.add_argument("--quantization", default=None, choices=["none", "gguf"],
                     help='"gguf": decode batches of up to 64 rows run on the GGUF file\'s own Q4_1 blocks (faster decode '
                          'on CPU). Default: gguf for the embedded model on the CPU, none otherwise')
@@ -313,7 +330,9 @@ def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
                         audio=not ns.no_audio, chat_template=ns.chat_template,
                         tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice,
                         served_model_name=ns.served_model_name, generation_config=ns.generation_config,
-                        log_stats_interval=0.0 if ns.disable_log_stats else ns.log_stats_interval)
+                        log_stats_interval=0.0 if ns.disable_log_stats else ns.log_stats_interval,
+                        engine_process=ns.engine_process, data_parallel_size=ns.data_parallel_size,
+                        router=ns.router)
     if ns.max_request_bytes:
         settings.max_request_bytes = ns.max_request_bytes
     app = create_app(settings)

@@ -110,9 +110,12 @@ async def health(request: Request) -> Response:
         if request.app.state.loading_error is not None:
             return json_response({"status": "error", "error": request.app.state.loading_error}, 503)
         return json_response({"status": "loading", "stage": request.app.state.loading_stage}, 503)
-    if not engine.healthy:   # stopped on a step fault no request could be blamed for
-        return json_response({"status": "error", "error": engine.error}, 503)
-    return json_response({"status": "ok", "model": request.app.state.served_model_names[0]})
+    replicas = engine.replica_health() if hasattr(engine, "replica_health") else None   # --data-parallel-size
+    if not engine.healthy:   # stopped on a step fault no request could be blamed for (every replica, with several)
+        body = {"status": "error", "error": engine.error}
+        return json_response(body if replicas is None else {**body, "replicas": replicas}, 503)
+    body = {"status": "ok", "model": request.app.state.served_model_names[0]}
+    return json_response(body if replicas is None else {**body, "replicas": replicas})
 
 
 def _model_card(request: Request, name: str) -> dict:

@@ -40,6 +40,16 @@ _COUNTERS = (
      "Draft tokens the target model accepted."),
 )
 
+_REPLICA_GAUGES = (
+    ("rtserve_replica_healthy", "healthy", "1 while the engine replica serves, 0 while it is down or restarting."),
+    ("rtserve_replica_sessions", "sessions", "Realtime sessions bound to the engine replica."),
+    ("rtserve_replica_inflight", "inflight", "Requests the router has on the engine replica."),
+)
+_REPLICA_COUNTERS = (
+    ("rtserve_replica_routed", "routed", "Requests the router sent to the engine replica."),
+    ("rtserve_replica_restarts", "restarts", "Times the engine replica's core process was started again."),
+)
+
 
 class EngineCollector:
     """Reads the engine's stats on every scrape."""
@@ -51,12 +61,23 @@ class EngineCollector:
         stats = self._stats()
         if not stats:
             return
-        for name, key, doc in _GAUGES:
-            if key in stats:
-                yield GaugeMetricFamily(name, doc, value=stats[key])
-        for name, key, doc in _COUNTERS:
-            if key in stats:
-                yield CounterMetricFamily(name, doc, value=stats[key])
+        replicas = stats.get("replicas")   # several engine cores (gateway/router.py): one series per replica
+        if replicas is None:
+            for name, key, doc in _GAUGES:
+                if key in stats:
+                    yield GaugeMetricFamily(name, doc, value=stats[key])
+            for name, key, doc in _COUNTERS:
+                if key in stats:
+                    yield CounterMetricFamily(name, doc, value=stats[key])
+            return
+        for kind, specs in ((GaugeMetricFamily, _GAUGES + _REPLICA_GAUGES), (CounterMetricFamily, _COUNTERS
+                                                                            + _REPLICA_COUNTERS)):
+            for name, key, doc in specs:
+                family = kind(name, doc, labels=["replica"])
+                for r in replicas:
+                    if key in r:
+                        family.add_metric([str(r["replica"])], float(r[key]))
+                yield family
 
 
 class AudioCollector:

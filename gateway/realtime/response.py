@@ -157,7 +157,7 @@ class ResponseRunner:
         stats = self.engine.stats()
         args = getattr(getattr(self.engine, "engine", None), "args", None)
         page = stats.get("kv_page_size", 1)
-        seqs = getattr(args, "max_num_seqs", 0)
+        seqs = getattr(args, "max_num_seqs", None) or getattr(self.engine, "max_num_seqs", 0)   # (a Router's: all)
         self.send({"type": "rate_limits.updated", "rate_limits": [
             {"name": "requests", "limit": seqs, "reset_seconds": 0.0,
              "remaining": max(0, seqs - stats.get("requests_running", 0) - stats.get("requests_waiting", 0))},

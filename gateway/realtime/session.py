@@ -78,6 +78,7 @@ class RealtimeSession:
         self._intent_transcription = hs.intent == "transcription"
         self.closed = asyncio.Event()
         self.close_reason: str | None = None
+        self.close_code = 1008    # the WebSocket close code when the server ends the session
         self._queue: asyncio.Queue[str | None] = asyncio.Queue(self.limits.send_queue_max)
         self._queued_bytes = 0  # characters of the frames in `_queue` (JSON: nearly all one byte each)
         self.draining = False  # the server is shutting down: no new response starts
@@ -121,6 +122,21 @@ class RealtimeSession:
         self.engine.release_session(self.id)
         if self.close_reason and self.close_reason != "client closed":
             log.info("session %s closed: %s", self.id, self.close_reason)
+
+    async def end_on_engine_fault(self, message: str) -> None:
+        """The engine replica that held this session's KV is gone: the response in flight ends (failed, it got
+        EngineDeadError), then an `error` event (server_error), then the session closes (code 1011)."""
+        resp = self.active
+        if resp is not None and resp.task is not None:
+            await asyncio.wait({resp.task}, timeout=5.0)
+        self.send(p.error_event(p.ProtocolError(message, "engine_unavailable", None, "server_error")))
+        flushed = asyncio.create_task(self._queue.join())
+        gone = asyncio.create_task(self.closed.wait())
+        await asyncio.wait({flushed, gone}, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+        flushed.cancel()
+        gone.cancel()
+        self.close_code = 1011
+        self.close(message)
 
     def close(self, reason: str) -> None:
         if not self.closed.is_set():

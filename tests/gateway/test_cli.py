@@ -90,6 +90,8 @@ def _bad_values(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--model", str(tmp_path / "model.bin")], "--model"),
         (["--model", str(tmp_path / "hf"), "--quantization", "gguf"], "--quantization"),
         (["--no-such-flag"], "--no-such-flag"),
+        (["--data-parallel-size", "0"], "--data-parallel-size"),
+        (["--router", "random"], "--router"),
     ]
 
 
