@@ -367,7 +367,9 @@ class LLMEngine:
                  inflight_prefix_waits=self.scheduler.num_deferred_admissions,
                  structured_requests=self.structured.num_active,
                  structured_mask_steps=self.structured.mask_steps,
-                 structured_mask_s=self.structured.mask_seconds)
+                 structured_mask_s=self.structured.mask_seconds,
+                 # the calling thread's (AsyncEngine: the engine thread's): what its steps run on, whatever was asked
+                 intra_op_threads=torch.get_num_threads())
         return s
 
 

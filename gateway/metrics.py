@@ -22,6 +22,7 @@ _GAUGES = (  # metric name, stats key, help
     ("rtserve_kv_pages_cached", "kv_pages_cached", "Free KV pages that still hold a hashed prefix block."),
     ("rtserve_kv_pages_pinned", "kv_pages_pinned", "KV pages pinned by live sessions."),
     ("rtserve_structured_requests", "structured_requests", "Grammar-constrained requests holding a matcher."),
+    ("rtserve_engine_intra_op_threads", "intra_op_threads", "CPU threads the engine's steps run on."),
 )
 _COUNTERS = (
     ("rtserve_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
