@@ -439,7 +439,10 @@ class LLMEngine:
                  spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
                  spec_decode_num_accepted_tokens=self.spec_num_accepted_tokens,
                  spec_decode_acceptance_rate=(self.spec_num_accepted_tokens / self.spec_num_draft_tokens
-                                              if self.spec_num_draft_tokens else 0.0))
+                                              if self.spec_num_draft_tokens else 0.0),
+
+                 # the calling thread's (AsyncEngine: the engine thread's): what its steps run on, whatever was asked
+                 intra_op_threads=torch.get_num_threads())
         return s
 
 

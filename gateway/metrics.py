@@ -24,6 +24,7 @@ _GAUGES = (  # metric name, stats key, help
     ("rtserve_structured_requests", "structured_requests", "Grammar-constrained requests holding a matcher."),
     ("rtserve_spec_decode_acceptance_rate", "spec_decode_acceptance_rate",
      "Share of the draft tokens verified so far that were accepted (0 while none was verified)."),
+    ("rtserve_engine_intra_op_threads", "intra_op_threads", "CPU threads the engine's steps run on."),
 )
 _COUNTERS = (
     ("rtserve_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),

@@ -55,6 +55,14 @@ def set_thread_count(n: int) -> None:
 
     Why: torch's count is per thread (OpenMP's), but a thread takes the process-wide value of the last
     `torch.set_num_threads` call, from any thread, on its first parallel op. So each worker thread (the engine, Whisper)
-    fixes its own at start: first trigger that lazy initialisation (`get_num_threads` does), then set."""
+    fixes its own at start: first trigger that lazy initialisation, then set.
+
+    That initialisation is inline code (`at::internal::lazy_init_num_threads`, a thread-local flag), so each library
+    holds its own copy: libtorch's (`get_num_threads` runs it) and our C++ ops' (any `at::parallel_for` in them runs
+    it). Both must run before the count is set. Otherwise the engine thread, idle while the audio stage starts, took
+    Whisper's one thread on its first C++ op, and served text on one core of two whenever the audio stage was on."""
     torch.get_num_threads()
+    ops = cpu_ext.ops()
+    if ops is not None:
+        ops.argmax_rows(torch.zeros(1, 1))  # one row: no work, only the C++ ops' own lazy initialisation
     torch.set_num_threads(max(1, int(n)))

@@ -161,9 +161,42 @@ async def test_engine_thread_keeps_the_default_thread_count():
             assert eng.num_threads == kernels.default_thread_count()
             toks, _, _ = await collect(eng, "t", [1, 2, 3])
             assert len(toks) == 12
+            assert eng.stats()["intra_op_threads"] == eng.num_threads
         finally:
             eng.shutdown()
     finally:
         t = threading.Thread(target=lambda: torch.set_num_threads(kernels.default_thread_count()))
         t.start()
         t.join()
+
+
+async def test_engine_thread_keeps_its_thread_count_when_a_worker_sets_its_own_later():
+    """The server's order: the engine thread starts, then waits idle while the audio stage starts and Whisper's worker
+    sets one intra-op thread for itself; the engine's first step (its first C++ op) must still run on the engine's
+    count, not Whisper's (it did not: text was served on one core of two with the audio stage on)."""
+    import threading
+
+    import torch
+
+    import kernels
+
+    def in_thread(fn):
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+
+    in_thread(lambda: kernels.set_thread_count(1))   # a fresh thread now starts with one
+    made = {}
+    # built in a fresh thread, whose stats snapshot says 1, so the engine thread's own count is seen when it lands
+    await asyncio.to_thread(in_thread, lambda: made.update(eng=AsyncEngine(kv_cache_memory="64MiB")))
+    eng = made["eng"]
+    try:
+        while eng.stats()["intra_op_threads"] != eng.num_threads:   # the engine thread has set its count
+            await asyncio.sleep(0.05)
+        in_thread(lambda: kernels.set_thread_count(1))   # Whisper's worker starting
+        toks, _, _ = await collect(eng, "t", [1, 2, 3])
+        assert len(toks) == 12
+        assert eng.stats()["intra_op_threads"] == eng.num_threads == kernels.default_thread_count()
+    finally:
+        eng.shutdown()
+        in_thread(lambda: torch.set_num_threads(kernels.default_thread_count()))

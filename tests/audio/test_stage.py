@@ -1,0 +1,48 @@
+"""The audio stage at rest: its workers (Whisper's thread, the TTS threads, and whatever pools they started) take no
+CPU while nobody speaks, so a server with the audio stage on serves text as fast as one without it."""
+from __future__ import annotations
+
+import os
+import time
+
+from audio.stage import AudioStage
+from audio.tts import SpeechClock
+from tests.audio.speech import steady_piper_speech
+
+TICK = os.sysconf("SC_CLK_TCK")
+IDLE_S = 1.0
+# An idle worker blocks on its condition variable and takes no CPU at all; a loop that polls or a thread pool that spins
+# takes a visible share of a core. 2 % of one core leaves room for the clock tick's rounding (one tick is 1 %).
+MAX_IDLE_SHARE = 0.02
+
+
+def _cpu_seconds(tids: set[int]) -> float:
+    total = 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:   # the thread ended: it takes no CPU either
+            continue
+        total += (int(fields[11]) + int(fields[12])) / TICK   # utime + stime
+    return total
+
+
+async def test_idle_audio_workers_take_no_cpu():
+    before = set(map(int, os.listdir("/proc/self/task")))
+    stage = AudioStage()
+    try:
+        await stage.warmup()
+        # work once through both workers, so every pool they use exists and has run
+        text = await stage.transcriber.transcribe_text(steady_piper_speech("The stage is at rest now."))
+        assert "rest" in text.lower()
+        audio = await stage.say("Nobody speaks.", "pcm16", 1.0, SpeechClock(paced=False)).read()
+        assert len(audio) > 0
+        workers = set(map(int, os.listdir("/proc/self/task"))) - before
+        assert workers   # the transcriber and TTS threads at least
+        start = _cpu_seconds(workers)
+        time.sleep(IDLE_S)   # blocking this loop: nothing of the stage waits on it
+        used = _cpu_seconds(workers) - start
+        assert used <= MAX_IDLE_SHARE * IDLE_S, f"idle audio workers took {used:.3f} CPU-s in {IDLE_S} s"
+    finally:
+        stage.close()
