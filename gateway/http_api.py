@@ -268,13 +268,17 @@ def _sampling(req: hm.SamplingFields, engine, prompt_len: int,
         raise HTTPError(400, f"'{field}' is too large: {limit}. This model's maximum context length is {context} "
                              f"tokens and your request has {prompt_len} input tokens ({limit} > {context} - "
                              f"{prompt_len}).", "invalid_value", field)
+    if req.min_tokens and req.min_tokens > (limit or room):
+        cap = f"'{field}' ({limit})" if limit else f"the room left in the context ({room} tokens)"
+        raise HTTPError(400, f"Invalid 'min_tokens': must be at most {cap}, got {req.min_tokens}.", "invalid_value",
+                        "min_tokens")
     temperature = req.temperature
     if temperature is not None and temperature < GREEDY_BELOW:
         temperature = 0.0
     kwargs = {"max_tokens": limit or room, "seed": req.seed,
               "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
               "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
-              "ignore_eos": req.ignore_eos, "stop_token_ids": req.stop_token_ids}
+              "ignore_eos": req.ignore_eos, "stop_token_ids": req.stop_token_ids, "min_tokens": req.min_tokens}
     # the model's defaults (--generation-config) fill what the client left out; the client's own value wins
     client = {"temperature": temperature, "top_p": req.top_p, "min_p": req.min_p,
               "top_k": -1 if req.top_k == 0 else req.top_k,   # vLLM: 0 and -1 both mean off

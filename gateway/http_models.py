@@ -365,8 +365,6 @@ def unsupported(req: SamplingFields) -> None:
             refuse("suffix", "suffixes (insertion) are not supported")
     if req.logit_bias:
         refuse("logit_bias", "logit biases are not supported by this server")
-    if req.min_tokens is not None and req.min_tokens > 1:
-        refuse("min_tokens", "min_tokens is not supported yet; ignore_eos with max_tokens gives a fixed output length")
     if req.stream_options is not None and not req.stream:
         raise RequestValidationError("Invalid 'stream_options': only allowed when 'stream' is true.",
                                      "stream_options", "invalid_value")

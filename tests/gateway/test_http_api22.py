@@ -200,6 +200,32 @@ async def test_cached_tokens_on_a_repeated_prompt(server):
     await server.wait_idle(pinned_ok=True)
 
 
+async def test_min_tokens_holds_off_eos_and_stop_strings(server):
+    """vLLM's min_tokens: the greedy answer that ends by EOS after n tokens goes on to min_tokens, unchanged up to
+    there; a stop string in the first min_tokens tokens' text does not end it either. Each request in a cache_salt of
+    its own, so every run computes its prompt the same way."""
+    c = client(server)
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+
+    async def greedy(**extra):
+        return await c.chat.completions.create(model=MODEL, messages=ask, max_tokens=64, temperature=0,
+                                               extra_body={"cache_salt": uuid.uuid4().hex, **extra})
+
+    short = await greedy()
+    n, text = short.usage.completion_tokens, short.choices[0].message.content
+    assert short.choices[0].finish_reason == "stop" and n < 40 and "." in text    # ended by EOS
+    longer = await greedy(min_tokens=n + 8)
+    assert longer.usage.completion_tokens >= n + 8
+    assert longer.choices[0].message.content.startswith(text)
+    cut = await greedy(stop=["."])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == text[:text.index(".")]
+    held = await greedy(stop=["."], min_tokens=n + 8)
+    content = held.choices[0].message.content
+    assert content.startswith(text) and held.usage.completion_tokens >= n + 8
+    assert held.choices[0].finish_reason == "length" or content.count(".") >= text.count(".")
+    await server.wait_idle(pinned_ok=True)
+
+
 def test_generation_config_sources(tmp_path):
     from gateway.generation_config import EMBEDDED_DEFAULTS, sampling_defaults
 
