@@ -7,11 +7,18 @@ each session count opens that many Realtime sessions at once. Each session sets 
 `--turns` user turns (item.create + response.create). Reported per mode and session count: p50/p95 time to first
 delta (response.create → first text delta, measured by the client), p50/p95 gaps between deltas, and TTFT per turn
 index; the last line compares turn-N TTFT with and without the cache.
+
+`--background-http N` measures priority (issue 21): every session count runs twice in a row, without and then with N
+HTTP clients sending ~`--background-prompt-tokens`-token `/v1/completions` prompts (each unique, so the prefix cache
+cannot shorten them) in a loop for the whole load; the last lines compare the Realtime TTFT of the two.
+`--shared-system-prompt` gives every session the same system prompt (as one voice app's users share one), so turn 1
+shows identical prefixes in flight being computed once.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import socket
 import statistics
@@ -34,11 +41,12 @@ SYSTEM_SENTENCES = ["You are a helpful, careful and friendly assistant for a tra
                     "Be polite, and do not use emojis or markdown formatting in answers."]
 
 
-def system_prompt(session: int, approx_tokens: int) -> str:
-    """~`approx_tokens` tokens (about 13 per sentence), unique per session so turn 1 starts cold for everyone."""
+def system_prompt(session: int, approx_tokens: int, shared: bool = False) -> str:
+    """~`approx_tokens` tokens (about 13 per sentence), unique per session so turn 1 starts cold for everyone (or, with
+    `shared`, the same for all)."""
     n = max(1, approx_tokens // 13)
     body = " ".join(SYSTEM_SENTENCES[i % len(SYSTEM_SENTENCES)] for i in range(n))
-    return f"Session {session}. {body}"
+    return body if shared else f"Session {session}. {body}"
 
 
 @dataclass
@@ -51,7 +59,8 @@ class Turn:
     output_tokens: int = 0
 
 
-async def run_session(url: str, sid: int, turns: int, max_tokens: int, prompt_tokens: int) -> list[Turn]:
+async def run_session(url: str, sid: int, turns: int, max_tokens: int, prompt_tokens: int,
+                      shared_prompt: bool = False) -> list[Turn]:
     out = []
     async with websockets.connect(url, max_size=None) as ws:
         async def until(etype: str) -> dict:
@@ -65,7 +74,7 @@ async def run_session(url: str, sid: int, turns: int, max_tokens: int, prompt_to
         await until("session.created")
         await ws.send(orjson.dumps({"type": "session.update", "session": {
             "type": "realtime", "output_modalities": ["text"], "max_output_tokens": max_tokens,
-            "instructions": system_prompt(sid, prompt_tokens)}}).decode())
+            "instructions": system_prompt(sid, prompt_tokens, shared_prompt)}}).decode())
         await until("session.updated")
         for t in range(turns):
             await ws.send(orjson.dumps({"type": "conversation.item.create", "item": {
@@ -107,9 +116,37 @@ def ms(x: float) -> str:
     return f"{x * 1000:7.0f}"
 
 
-async def run_load(url: str, sessions: int, args) -> list[list[Turn]]:
-    return await asyncio.gather(*(run_session(url, i, args.turns, args.max_output_tokens, args.system_tokens)
-                                  for i in range(sessions)))
+async def background_http(url: str, clients: int, prompt_tokens: int) -> None:
+    """`clients` HTTP clients, each sending a long completion prompt (unique: a fresh number first) and waiting for
+    its answer, again and again until cancelled (which closes its connection: the server aborts the request)."""
+    base = url.replace("ws://", "http://", 1).split("/v1/realtime")[0]
+    ids = itertools.count()
+
+    async def client(h: httpx.AsyncClient, model: str) -> None:
+        while True:
+            prompt = f"Document {next(ids)}. {system_prompt(0, prompt_tokens, shared=True)}\nSummary:"
+            r = await h.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 16})
+            r.raise_for_status()
+
+    async with httpx.AsyncClient(timeout=None) as h:
+        model = (await h.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        await asyncio.gather(*(client(h, model) for _ in range(clients)))
+
+
+async def run_load(url: str, sessions: int, args, background: int = 0) -> list[list[Turn]]:
+    bg = asyncio.ensure_future(background_http(url, background, args.background_prompt_tokens)) \
+        if background else None
+    try:
+        if bg is not None:   # the long prompts are in flight before the first turn
+            await asyncio.sleep(1.0)
+            if bg.done():
+                bg.result()
+        return await asyncio.gather(*(run_session(url, i, args.turns, args.max_output_tokens, args.system_tokens,
+                                                  args.shared_system_prompt) for i in range(sessions)))
+    finally:
+        if bg is not None:
+            bg.cancel()
+            await asyncio.gather(bg, return_exceptions=True)
 
 
 def summarize(mode: str, sessions: int, results: list[list[Turn]], wall: float, turns: int) -> dict:
@@ -124,7 +161,7 @@ def summarize(mode: str, sessions: int, results: list[list[Turn]], wall: float, 
           f"gap p50 {ms(pct(gaps, 50))} p95 {ms(pct(gaps, 95))} | turn TTFT p50 "
           + " ".join(f"t{n}:{ms(v).strip()}" for n, v in per_turn.items())
           + f" | cached t{turns} {cached[turns]:.0%} | {out_tokens / wall:6.1f} tok/s", flush=True)
-    return {"per_turn": per_turn}
+    return {"per_turn": per_turn, "ttft_p50": pct(ttfts, 50), "ttft_p95": pct(ttfts, 95)}
 
 
 def free_port() -> int:
@@ -161,6 +198,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--url", default=None, help="measure a running server (ws://host:port/v1/realtime) as it is")
     ap.add_argument("--modes", default="cache,nocache", help="which server variants to start: cache,nocache")
     ap.add_argument("--server-args", default="", help="extra `rtserve serve` flags for the started servers")
+    ap.add_argument("--background-http", type=int, default=0, metavar="N",
+                    help="also run each session count with N HTTP clients sending long prompts in a loop, and compare")
+    ap.add_argument("--background-prompt-tokens", type=int, default=3000,
+                    help="approximate length of the background HTTP prompts")
+    ap.add_argument("--shared-system-prompt", action="store_true",
+                    help="every session sends the same system prompt (default: one of its own)")
     return ap.parse_args(argv)
 
 
@@ -168,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     counts = [int(x) for x in args.sessions.split(",") if x]
     print(f"rtserve bench realtime: sessions {counts}, {args.turns} turns, ~{args.system_tokens}-token system "
-          f"prompt, {args.max_output_tokens} output tokens per turn, {os.cpu_count()} CPUs", flush=True)
+          f"prompt{' (shared)' if args.shared_system_prompt else ''}, {args.max_output_tokens} output tokens per "
+          f"turn, {os.cpu_count()} CPUs"
+          + (f"; with and without {args.background_http} background HTTP clients (~{args.background_prompt_tokens}-"
+             f"token prompts)" if args.background_http else ""), flush=True)
     summaries: dict[tuple[str, int], dict] = {}
     modes = [("external", None)] if args.url else [(m, m == "cache") for m in args.modes.split(",")]
     for mode, cache in modes:
@@ -181,9 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             asyncio.run(run_load(url, 1, argparse.Namespace(**{**vars(args), "turns": 1})))  # warm-up
             for n in counts:
-                start = time.perf_counter()
-                results = asyncio.run(run_load(url, n, args))
-                summaries[(mode, n)] = summarize(mode, n, results, time.perf_counter() - start, args.turns)
+                for background in (0, args.background_http) if args.background_http else (0,):
+                    label = f"{mode}+http" if background else mode
+                    start = time.perf_counter()
+                    results = asyncio.run(run_load(url, n, args, background))
+                    summaries[(label, n)] = summarize(label, n, results, time.perf_counter() - start, args.turns)
         finally:
             if proc is not None:
                 proc.terminate()
@@ -191,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
                     proc.wait(30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+    for (label, n), with_http in summaries.items():
+        alone = summaries.get((label.removesuffix("+http"), n)) if label.endswith("+http") else None
+        if alone:
+            print(f"{label.removesuffix('+http')} sessions {n}: Realtime TTFT p50 {ms(with_http['ttft_p50']).strip()} "
+                  f"ms with {args.background_http} background HTTP clients vs {ms(alone['ttft_p50']).strip()} ms "
+                  f"without ({with_http['ttft_p50'] / alone['ttft_p50']:.1f}x; goal <= 2x); p95 "
+                  f"{ms(with_http['ttft_p95']).strip()} vs {ms(alone['ttft_p95']).strip()} ms")
     for n in counts:
         on, off = summaries.get(("cache", n)), summaries.get(("nocache", n))
         if on and off:
