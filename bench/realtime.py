@@ -13,11 +13,18 @@ index; the last line compares turn-N TTFT with and without the cache.
 starts one server per engine-core count and router (`--data-parallel-size N --router R`, the router only matters
 for N > 1) instead, and compares each one's prefix-cache hit rate (cached / input tokens over every turn) and turn-N
 TTFT with the single replica's.
+
+`--background-http N` measures priority (issue 21): every session count runs twice in a row, without and then with N
+HTTP clients sending ~`--background-prompt-tokens`-token `/v1/completions` prompts (each unique, so the prefix cache
+cannot shorten them) in a loop for the whole load; the last lines compare the Realtime TTFT of the two.
+`--shared-system-prompt` gives every session the same system prompt (as one voice app's users share one), so turn 1
+shows identical prefixes in flight being computed once.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import socket
 import statistics
@@ -42,11 +49,12 @@ SYSTEM_SENTENCES = ["You are a helpful, careful and friendly assistant for a tra
                     "Be polite, and do not use emojis or markdown formatting in answers."]
 
 
-def system_prompt(session: int, approx_tokens: int) -> str:
-    """~`approx_tokens` tokens (about 13 per sentence), unique per session so turn 1 starts cold for everyone."""
+def system_prompt(session: int, approx_tokens: int, shared: bool = False) -> str:
+    """~`approx_tokens` tokens (about 13 per sentence), unique per session so turn 1 starts cold for everyone (or, with
+    `shared`, the same for all)."""
     n = max(1, approx_tokens // 13)
     body = " ".join(SYSTEM_SENTENCES[i % len(SYSTEM_SENTENCES)] for i in range(n))
-    return f"Session {session}. {body}"
+    return body if shared else f"Session {session}. {body}"
 
 
 @dataclass
@@ -60,7 +68,7 @@ class Turn:
 
 
 async def run_session(url: str, sid: int, turns: int, max_tokens: int, prompt_tokens: int,
-                      progress: report.Progress | None = None) -> list[Turn]:
+                      progress: report.Progress | None = None, shared_prompt: bool = False) -> list[Turn]:
     out = []
     async with websockets.connect(url, max_size=None) as ws:
         async def until(etype: str) -> dict:
@@ -74,7 +82,7 @@ async def run_session(url: str, sid: int, turns: int, max_tokens: int, prompt_to
         await until("session.created")
         await ws.send(orjson.dumps({"type": "session.update", "session": {
             "type": "realtime", "output_modalities": ["text"], "max_output_tokens": max_tokens,
-            "instructions": system_prompt(sid, prompt_tokens)}}).decode())
+            "instructions": system_prompt(sid, prompt_tokens, shared_prompt)}}).decode())
         await until("session.updated")
         for t in range(turns):
             await ws.send(orjson.dumps({"type": "conversation.item.create", "item": {
@@ -118,9 +126,38 @@ def ms(x: float) -> str:
     return f"{x * 1000:7.0f}"
 
 
-async def run_load(url: str, sessions: int, args, progress: report.Progress | None = None) -> list[list[Turn]]:
-    return await asyncio.gather(*(run_session(url, i, args.turns, args.max_output_tokens, args.system_tokens,
-                                              progress) for i in range(sessions)))
+async def background_http(url: str, clients: int, prompt_tokens: int) -> None:
+    """`clients` HTTP clients, each sending a long completion prompt (unique: a fresh number first) and waiting for
+    its answer, again and again until cancelled (which closes its connection: the server aborts the request)."""
+    base = url.replace("ws://", "http://", 1).split("/v1/realtime")[0]
+    ids = itertools.count()
+
+    async def client(h: httpx.AsyncClient, model: str) -> None:
+        while True:
+            prompt = f"Document {next(ids)}. {system_prompt(0, prompt_tokens, shared=True)}\nSummary:"
+            r = await h.post(f"{base}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 16})
+            r.raise_for_status()
+
+    async with httpx.AsyncClient(timeout=None) as h:
+        model = (await h.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        await asyncio.gather(*(client(h, model) for _ in range(clients)))
+
+
+async def run_load(url: str, sessions: int, args, progress: report.Progress | None = None,
+                   background: int = 0) -> list[list[Turn]]:
+    bg = asyncio.ensure_future(background_http(url, background, args.background_prompt_tokens)) \
+        if background else None
+    try:
+        if bg is not None:   # the long prompts are in flight before the first turn
+            await asyncio.sleep(1.0)
+            if bg.done():
+                bg.result()
+        return await asyncio.gather(*(run_session(url, i, args.turns, args.max_output_tokens, args.system_tokens,
+                                                  progress, args.shared_system_prompt) for i in range(sessions)))
+    finally:
+        if bg is not None:
+            bg.cancel()
+            await asyncio.gather(bg, return_exceptions=True)
 
 
 def summarize(mode: str, sessions: int, results: list[list[Turn]], wall: float, turns: int) -> dict:
@@ -209,6 +246,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="comma-separated engine-core counts: one server per count (and router), prefix cache on")
     ap.add_argument("--router", default="affinity,round-robin",
                     help="comma-separated routers for the counts above 1: affinity, round-robin")
+    ap.add_argument("--background-http", type=int, default=0, metavar="N",
+                    help="also run each session count with N HTTP clients sending long prompts in a loop, and compare")
+    ap.add_argument("--background-prompt-tokens", type=int, default=3000,
+                    help="approximate length of the background HTTP prompts")
+    ap.add_argument("--shared-system-prompt", action="store_true",
+                    help="every session sends the same system prompt (default: one of its own)")
     return ap.parse_args(argv)
 
 
@@ -216,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     counts = [int(x) for x in args.sessions.split(",") if x]
     print(f"rtserve bench realtime: sessions {counts}, {args.turns} turns, ~{args.system_tokens}-token system "
-          f"prompt, {args.max_output_tokens} output tokens per turn, {os.cpu_count()} CPUs", flush=True)
+          f"prompt{' (shared)' if args.shared_system_prompt else ''}, {args.max_output_tokens} output tokens per "
+          f"turn, {os.cpu_count()} CPUs"
+          + (f"; with and without {args.background_http} background HTTP clients (~{args.background_prompt_tokens}-"
+             f"token prompts)" if args.background_http else ""), flush=True)
     summaries: dict[tuple[str, int], dict] = {}
     modes = [("external", None, [])] if args.url else [(m, m == "cache", []) for m in args.modes.split(",")]
     if args.data_parallel_size and not args.url:
@@ -235,11 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             asyncio.run(run_load(url, 1, argparse.Namespace(**{**vars(args), "turns": 1})))  # warm-up
             for n in counts:
-                progress = report.Progress(f"{mode}, {n} sessions", total=n * args.turns)
-                start = time.perf_counter()
-                results = asyncio.run(run_load(url, n, args, progress))
-                summaries[(mode, n)] = summarize(mode, n, results, time.perf_counter() - start, args.turns)
-                progress.close(f"turns done, {summaries[(mode, n)]['output_tok_s']:.1f} output tok/s")
+                for background in (0, args.background_http) if args.background_http else (0,):
+                    label = f"{mode}+http" if background else mode
+                    progress = report.Progress(f"{label}, {n} sessions", total=n * args.turns)
+                    start = time.perf_counter()
+                    results = asyncio.run(run_load(url, n, args, progress, background))
+                    summaries[(label, n)] = summarize(label, n, results, time.perf_counter() - start, args.turns)
+                    progress.close(f"turns done, {summaries[(label, n)]['output_tok_s']:.1f} output tok/s")
         finally:
             if proc is not None:
                 proc.terminate()
@@ -248,6 +296,13 @@ def main(argv: list[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     proc.kill()
     print_summaries(list(summaries.values()), args.turns)
+    for (label, n), with_http in summaries.items():
+        alone = summaries.get((label.removesuffix("+http"), n)) if label.endswith("+http") else None
+        if alone:
+            print(f"{label.removesuffix('+http')} sessions {n}: Realtime TTFT p50 {ms(with_http['ttft_p50']).strip()} "
+                  f"ms with {args.background_http} background HTTP clients vs {ms(alone['ttft_p50']).strip()} ms "
+                  f"without ({with_http['ttft_p50'] / alone['ttft_p50']:.1f}x; goal <= 2x); p95 "
+                  f"{ms(with_http['ttft_p95']).strip()} vs {ms(alone['ttft_p95']).strip()} ms")
     for n in counts:
         one = summaries.get(("dp1", n))
         for (mode, m), summary in summaries.items():

@@ -161,7 +161,8 @@ class LLMEngine:
         if params.structured_outputs is not None:   # compile errors raise here, before the request is queued
             self.structured.add(request_id, params.structured_outputs)
         self.requests[request_id] = req
-        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
+                                                         min_tokens=params.min_tokens)
         self.scheduler.add(req)
         self.prompt_tokens_total += len(prompt_ids)
         return request_id

@@ -27,6 +27,20 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> None:
             logits[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
 
 
+def mask_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    """min_tokens (vLLM's MinTokensLogitsProcessor): a row whose request has fewer output tokens than its min_tokens
+    cannot draw EOS or its stop_token_ids. A grammar that allows nothing but a stop token (its output is complete)
+    wins: that row is left as it was, so the output ends rather than drawing a token the grammar forbids."""
+    for row, r in enumerate(requests):
+        if r.num_output_tokens >= r.params.min_tokens or not r.stop_token_ids:
+            continue
+        ids = torch.tensor(sorted(t for t in r.stop_token_ids if t < logits.shape[1]), dtype=torch.long)
+        kept = logits[row, ids].clone()
+        logits[row, ids] = float("-inf")
+        if torch.isneginf(logits[row]).all():
+            logits[row, ids] = kept
+
+
 def top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) the tokens each row's top-k / top-p / min-p would drop. top_k <= 0 means off."""
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
@@ -70,13 +84,16 @@ class Sampler:
         want_logprobs = any(r.params.logprobs is not None for r in requests)
         logprobs = raw.log_softmax(-1) if want_logprobs else None
         penalties = any(r.params.needs_penalties for r in requests)
-        logits = logits.clone() if penalties else logits
+        min_tokens = any(r.num_output_tokens < r.params.min_tokens for r in requests)
+        logits = logits.clone() if penalties or min_tokens else logits
         if penalties:
             for row, r in enumerate(requests):
                 if r.params.needs_penalties:
                     apply_penalties(logits[row], r)
         if grammar_mask is not None:
             grammar_mask(logits)
+        if min_tokens:
+            mask_stop_tokens(logits, requests)
         tokens = kernels.argmax(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:

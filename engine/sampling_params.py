@@ -82,6 +82,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0               # EOS, stop_token_ids and stop strings cannot end the output before this many tokens
     logprobs: int | None = None       # top-n logprobs per output token (of the raw model distribution)
     structured_outputs: StructuredOutputsParams | None = None   # grammar-constrained decoding
 
@@ -103,7 +104,7 @@ class SamplingParams:
         def bad(param: str, why: str):
             raise InvalidRequestError(f"invalid {param}: {why}", param=param)
 
-        for name in ("max_tokens", "top_k"):             # ints the sampler puts in int64 tensors
+        for name in ("max_tokens", "top_k", "min_tokens"):   # ints the sampler puts in int64 tensors
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not -2**31 < v < 2**31:
                 bad(name, f"must be an integer below 2**31, got {v!r}")
@@ -124,6 +125,8 @@ class SamplingParams:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
             bad("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:

@@ -30,6 +30,8 @@ from gateway.realtime.session import RealtimeSession, SessionLimits
 
 log = logging.getLogger("rtserve")
 WEB_DEMO_DIR = Path(__file__).resolve().parent.parent / "web_demo"
+# HTTP streams end this long before the shutdown timeout, so their last chunk is written before uvicorn cancels them
+STREAM_CUT_MARGIN_S = 1.0
 WS_MAX_SIZE = 64 * 1024 * 1024  # uvicorn's hard limit; frames above protocol.MAX_FRAME_BYTES get an error event
 
 
@@ -102,6 +104,7 @@ def create_app(settings: Settings | None = None, engine=None) -> Starlette:
     # With an engine given (tests, embedding) the audio workers start on first use; else in the lifespan.
     app.state.audio = AudioStage() if settings.audio else None
     app.state.sessions = {}  # id -> live RealtimeSession (introspection for tests and debugging)
+    app.state.streams_cut = asyncio.Event()  # set by `drain` just before the shutdown timeout: HTTP streams end
     app.state.metrics = Metrics(lambda: app.state.engine.stats() if app.state.engine is not None else None,
                                 lambda: app.state.audio.stats() if app.state.audio is not None else None)
     if engine is not None:
@@ -124,7 +127,10 @@ def _middleware(settings: Settings) -> list[Middleware]:
 
 async def drain(app: Starlette, timeout: float) -> None:
     """Shutdown, before the server closes the sockets: every Realtime response in flight ends with `response.done`
-    (cancelled) and the events queued are written, within `timeout` in all."""
+    (cancelled) and the events queued are written, within `timeout` in all. HTTP streams still running just before
+    `timeout` ends end with an error chunk and `[DONE]` (gateway/http_api.py), instead of being cut mid-body."""
+    margin = min(STREAM_CUT_MARGIN_S, timeout / 2)
+    asyncio.get_running_loop().call_later(max(0.0, timeout - margin), app.state.streams_cut.set)
     sessions = list(app.state.sessions.values())
     if sessions:
         tasks = [asyncio.create_task(s.drain()) for s in sessions]
@@ -259,6 +265,7 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
                               audio=state.audio)
     if "temperature" in state.sampling_defaults:   # the model's default (--generation-config) until the client sets one
         session.config["temperature"] = state.sampling_defaults["temperature"]
+    session.responses.sampling_defaults = generation_config.realtime_defaults(state.sampling_defaults)
     state.sessions[session.id] = session
     opened = time.monotonic()
     try:

@@ -96,7 +96,7 @@ def _bad(message: str, param: str | None, code: str = "invalid_value", status: i
     return HTTPError(status, message, code, param)
 
 
-def _stage(request: Request):
+def stage_of(request: Request):
     stage = request.app.state.audio
     if stage is None:
         raise HTTPError(404, "Audio is off on this server (started with --no-audio).", "audio_unavailable")
@@ -271,7 +271,7 @@ async def _transcription_request(request: Request) -> TranscriptionRequest:
 
 def _transcribe(request: Request, audio: np.ndarray) -> TranscriptionStream:
     try:
-        return _stage(request).transcriber.transcribe(audio)
+        return stage_of(request).transcriber.transcribe(audio)
     except TranscriptionError as exc:
         raise _bad(str(exc), "file", "invalid_audio_format") from None
 
@@ -549,7 +549,7 @@ async def _first_then_rest(chunks):
 async def speech(request: Request) -> Response:
     req = _speech_request(await read_capped(request, MAX_SPEECH_BODY_BYTES,
                                                        f"this endpoint's limit of {MAX_SPEECH_BODY_BYTES} bytes"))
-    stage = _stage(request)
+    stage = stage_of(request)
     fmt = SPEECH_FORMATS[req.response_format]
     encoder = SpeechEncoder(fmt)
     job = stage.say(req.input, AudioFormat("pcm16", SPEECH_RATE), req.speed, SpeechClock(pace=HTTP_SPEECH_PACE))

@@ -19,6 +19,13 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 EMBEDDED_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}   # HuggingFaceTB/SmolLM2-135M-Instruct model card
 
 
+def realtime_defaults(defaults: dict) -> dict:
+    """The defaults every Realtime response takes: all but the temperature, which the Realtime API sets (the
+    session's temperature starts at the model's default and the client may change it); top_p, top_k, min_p and
+    repetition_penalty have no Realtime field, so the model's values always hold there."""
+    return {k: v for k, v in defaults.items() if k != "temperature"}
+
+
 def sampling_defaults(source: str, model_dir: Path | None, embedded: bool) -> dict:
     """The default sampling fields for requests that do not set them. Raises ValueError for a bad source or file."""
     if source == "vllm":

@@ -16,6 +16,9 @@ and the older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar
 `SamplingParams.structured_outputs`, enforced by the engine's grammar-constrained decoding. A spec the grammar compiler
 rejects is a 400 whose `param` names the field the client sent.
 
+Audio: chat's `input_audio` parts become their transcripts (gateway/audio_api.py); `modalities: ["text", "audio"]`
+speaks the reply as `message.audio` / streamed `delta.audio` (gateway/chat_audio.py).
+
 Tools: `tools` / `tool_choice` / `parallel_tool_calls` on chat (gateway/tools.py: the tool prompt, the call grammar,
 the call parser); calls come back as `message.tool_calls` or streamed `delta.tool_calls`, finish_reason "tool_calls".
 
@@ -29,6 +32,7 @@ Any other path under /v1/ is a JSON 404 (405 for a method a served route does no
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import functools
@@ -41,6 +45,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Match, Route, WebSocketRoute
 
+from audio.tts import TTSError
 from engine import SamplingParams, StructuredOutputsParams
 from engine.errors import EngineDeadError, EngineError, InvalidRequestError, PromptTooLongError
 from gateway import http_logprobs as hl
@@ -67,6 +72,10 @@ class HTTPError(Exception):
 
 class ClientGone(Exception):
     """The client disconnected while its request was being served."""
+
+
+class StreamCut(Exception):
+    """The server is shutting down and its shutdown timeout is nearly over: a stream still running ends now."""
 
 
 def json_response(body: Any, status: int = 200, headers: dict | None = None) -> Response:
@@ -122,26 +131,42 @@ def _model_card(request: Request, name: str) -> dict:
     return {"id": name, "object": "model", "created": request.app.state.started, "owned_by": "rtserve"}
 
 
+def audio_models(request: Request) -> dict[str, str]:
+    """The audio models' names (none with --no-audio) -> the route that serves them."""
+    if request.app.state.audio is None:
+        return {}
+    from gateway import audio_api   # (it builds on this module)
+    return {**dict.fromkeys(audio_api.TRANSCRIPTION_MODELS, "/v1/audio/transcriptions"),
+            **dict.fromkeys(audio_api.SPEECH_MODELS, "/v1/audio/speech")}
+
+
 def served_model(request: Request, name: str, param: str | None = "model") -> str:
     """`name` if it is one of the names this server serves the model under (--served-model-name), else a 404."""
     _engine(request)
     if name not in request.app.state.served_model_names:
+        route = audio_models(request).get(name)
+        also = f" ({name} is an audio model: use {route})" if route else ""
         raise HTTPError(404, f"The model `{name}` does not exist; this server serves "
-                             f"{', '.join(request.app.state.served_model_names)}.", "model_not_found", param)
+                             f"{', '.join(request.app.state.served_model_names)}{also}.", "model_not_found", param)
     return name
 
 
 @endpoint
 async def models(request: Request) -> Response:
+    """The served model names, then the audio models' (Whisper's and piper's, under OpenAI's names too)."""
     _engine(request)
-    return json_response({"object": "list", "data": [_model_card(request, name)
-                                                     for name in request.app.state.served_model_names]})
+    names = [*request.app.state.served_model_names, *audio_models(request)]
+    return json_response({"object": "list", "data": [_model_card(request, name) for name in names]})
 
 
 @endpoint
 async def model(request: Request) -> Response:
     """GET /v1/models/{model}: the SDK's `models.retrieve`."""
-    return json_response(_model_card(request, served_model(request, request.path_params["model"], None)))
+    name = request.path_params["model"]
+    if name in audio_models(request):
+        _engine(request)
+        return json_response(_model_card(request, name))
+    return json_response(_model_card(request, served_model(request, name, None)))
 
 
 @endpoint
@@ -272,13 +297,17 @@ def _sampling(req: hm.SamplingFields, engine, prompt_len: int,
         raise HTTPError(400, f"'{field}' is too large: {limit}. This model's maximum context length is {context} "
                              f"tokens and your request has {prompt_len} input tokens ({limit} > {context} - "
                              f"{prompt_len}).", "invalid_value", field)
+    if req.min_tokens and req.min_tokens > (limit or room):
+        cap = f"'{field}' ({limit})" if limit else f"the room left in the context ({room} tokens)"
+        raise HTTPError(400, f"Invalid 'min_tokens': must be at most {cap}, got {req.min_tokens}.", "invalid_value",
+                        "min_tokens")
     temperature = req.temperature
     if temperature is not None and temperature < GREEDY_BELOW:
         temperature = 0.0
     kwargs = {"max_tokens": limit or room, "seed": req.seed,
               "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
               "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
-              "ignore_eos": req.ignore_eos, "stop_token_ids": req.stop_token_ids}
+              "ignore_eos": req.ignore_eos, "stop_token_ids": req.stop_token_ids, "min_tokens": req.min_tokens}
     # the model's defaults (--generation-config) fill what the client left out; the client's own value wins
     client = {"temperature": temperature, "top_p": req.top_p, "min_p": req.min_p,
               "top_k": -1 if req.top_k == 0 else req.top_k,   # vLLM: 0 and -1 both mean off
@@ -329,11 +358,14 @@ def _tool_request(req: hm.ChatCompletionRequest) -> tl.ToolRequest:
     return tl.parse_request({k: v for k, v in fields.items() if v is not None})
 
 
-def _chat_prompt(req: hm.ChatCompletionRequest, renderer, tool_req: tl.ToolRequest) -> list[int]:
+def _chat_prompt(req: hm.ChatCompletionRequest, renderer, tool_req: tl.ToolRequest,
+                 history: dict[int, str] | None = None) -> list[int]:
+    """The rendered prompt; `history` holds the transcripts of earlier spoken replies, by message index."""
     flat = []
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
-        flat.append({"role": role, "content": hm.message_text(m.content), **_tool_fields(m, i, flat)})
+        text = hm.message_text(m.content) or (history or {}).get(i, "")
+        flat.append({"role": role, "content": text, **_tool_fields(m, i, flat)})
     native = renderer.takes_tools()
     messages, template_tools = tl.render(flat, tool_req, native)
     try:
@@ -384,8 +416,12 @@ async def _complete(request: Request, chat: bool) -> Response:
     except hm.RequestValidationError as exc:
         raise HTTPError(400, exc.message, exc.code, exc.param) from None
     served_model(request, req.model)
-    tool_req = None
-    if chat:
+    tool_req = spoken = None
+    history: dict[int, str] = {}
+    if chat:   # a spoken reply and earlier spoken replies (imported here, as audio_api)
+        from gateway import chat_audio
+        spoken = chat_audio.ChatAudio.from_request(request, req)
+        history = chat_audio.history_transcripts(request, req)
         try:
             tool_req = _tool_request(req)
             tl.check_auto_allowed(tool_req, state.settings.enable_auto_tool_choice)
@@ -393,8 +429,8 @@ async def _complete(request: Request, chat: bool) -> Response:
                 await tl.check_schemas(tool_req, engine.compile_structured)
         except InvalidRequestError as exc:
             raise HTTPError(400, str(exc), "invalid_value", exc.param) from None
-        _check_chars(_chat_chars(req, tool_req), engine, "messages")
-        prompt_ids = await asyncio.to_thread(_chat_prompt, req, state.renderer, tool_req)
+        _check_chars(_chat_chars(req, tool_req) + sum(map(len, history.values())), engine, "messages")
+        prompt_ids = await asyncio.to_thread(_chat_prompt, req, state.renderer, tool_req, history)
     else:
         try:
             prompt = req.single_prompt()
@@ -422,7 +458,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(choices, rid, created, model, chat, include_usage, timer, new_parser,
-                                         tokenizer),
+                                         tokenizer, spoken, state.streams_cut),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         done = await unless_gone(request, _collect_all(choices, timer))
@@ -439,6 +475,9 @@ async def _complete(request: Request, chat: bool) -> Response:
                 if calls:
                     message["tool_calls"] = calls
                     reason = "tool_calls" if reason == "stop" else reason
+            if spoken is not None and message["content"]:
+                message["audio"] = await _speak(request, spoken, message["content"])
+                message["content"] = None
             lp = {"content": hl.chat_entries(tokenizer, token_ids, logprobs), "refusal": None} if tokenizer else None
             out_choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
         else:
@@ -448,6 +487,21 @@ async def _complete(request: Request, chat: bool) -> Response:
     record_usage(timer.timing, usage)
     return json_response({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                           "model": model, "choices": out_choices, "usage": usage})
+
+
+async def _speak(request: Request, spoken, text: str) -> dict:
+    """A finished reply's `message.audio`: the whole file, spoken off the event loop (dropped if the client goes)."""
+    reply = spoken.reply()
+    try:
+        data = await unless_gone(request, reply.whole(text))
+    except TTSError as exc:
+        raise HTTPError(500, "The spoken reply could not be synthesized.", exc.code, type="server_error") from None
+    finally:
+        reply.close()
+    audio_id = p.new_id("audio")
+    expires_at = spoken.remember(audio_id, text)
+    return {"id": audio_id, "data": base64.b64encode(data).decode("ascii"), "expires_at": expires_at,
+            "transcript": text}
 
 
 def _engine_failure(exc: EngineError) -> HTTPError:
@@ -528,10 +582,28 @@ def _usage(lasts: list, n_outs: list[int]) -> dict:
             "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
 
 
-async def _merged(choices: list[tuple]):
-    """(index, output) from every choice's generator as they come. Closing this closes them all, which aborts their
-    engine requests; an engine error in one is raised here."""
+SPOKEN = -1   # the index _merged gives the spoken reply's audio
+
+
+async def _merged(choices: list[tuple], audio=None, cut: asyncio.Event | None = None):
+    """(index, output) from every choice's generator as they come, and (SPOKEN, encoded bytes) from `audio` (a spoken
+    reply's generator) when given. Closing this closes them all, which aborts their engine requests and drops the
+    speech; an error in one is raised here, and StreamCut once `cut` is set."""
     q: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def watch_cut() -> None:
+        await cut.wait()
+        q.put_nowait((SPOKEN, StreamCut()))
+
+    async def pump_audio() -> None:
+        try:
+            async with contextlib.aclosing(audio):
+                async for data in audio:
+                    q.put_nowait((SPOKEN, data))
+            q.put_nowait((SPOKEN, end))
+        except Exception as exc:
+            q.put_nowait((SPOKEN, exc))
 
     async def pump(i: int, gen, first) -> None:
         try:
@@ -546,13 +618,20 @@ async def _merged(choices: list[tuple]):
             q.put_nowait((i, exc))
 
     tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (gen, first) in enumerate(choices)]
+    if audio is not None:
+        tasks.append(asyncio.ensure_future(pump_audio()))
+    left = len(tasks)
+    if cut is not None:
+        tasks.append(asyncio.ensure_future(watch_cut()))
     try:
-        left = len(tasks)
         while left:
             i, out = await q.get()
             if isinstance(out, Exception):
                 raise out
-            left -= out.finished
+            if out is end:
+                left -= 1
+                continue
+            left -= i != SPOKEN and out.finished
             yield i, out
     finally:
         for t in tasks:
@@ -560,24 +639,17 @@ async def _merged(choices: list[tuple]):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _single(gen, first):
-    """(0, output) from one choice's generator: `_merged` for n = 1, without its pump task and queue (one task switch
-    less per token). Closing this closes the generator, which aborts the engine request."""
-    async with contextlib.aclosing(gen):
-        out = first
-        while True:
-            yield 0, out
-            if out.finished:
-                return
-            out = await anext(gen)
-
-
 async def _stream(choices: list[tuple], rid: str, created: int, model: str, chat: bool, include_usage: bool, timer,
-                  new_parser=None, tokenizer=None):
+                  new_parser=None, tokenizer=None, spoken=None, cut: asyncio.Event | None = None):
     """SSE chunks of the n choices, interleaved as they come; if the client goes away the generators are closed,
     which aborts the engine requests. With a tool parser, text goes through it: content as `delta.content`, calls as
-    `delta.tool_calls`. With a tokenizer, each chunk carries its tokens' logprobs."""
+    `delta.tool_calls`. With a tokenizer, each chunk carries its tokens' logprobs. With `spoken` (one choice), the
+    content is spoken: `delta.audio` carries its transcript and the audio as it is made, and the finish_reason waits
+    for the end of the audio (gateway/chat_audio.py). When `cut` is set (a shutdown about to time out), the stream ends
+    with an `error` chunk and `[DONE]`, the body complete, and its engine requests are aborted."""
     obj = "chat.completion.chunk" if chat else "text_completion"
+    reply = spoken.reply() if spoken is not None else None
+    audio_id = None
 
     def chunk(i: int, delta: str | dict | None, reason: str | None, role: bool = False, logprobs=None) -> bytes:
         if chat:
@@ -591,46 +663,93 @@ async def _stream(choices: list[tuple], rid: str, created: int, model: str, chat
             body["usage"] = None
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
+    def audio_delta(**fields) -> dict:
+        nonlocal audio_id
+        if audio_id is None:   # the first audio delta names the reply
+            audio_id = p.new_id("audio")
+            fields = {"id": audio_id, **fields}
+        return {"audio": fields}
+
+    def spoken_delta(delta: str | dict | None) -> str | dict | None:
+        """A content delta becomes the spoken reply's transcript (and goes to its speech)."""
+        text = delta.get("content") if isinstance(delta, dict) else delta
+        if reply is None or not text:
+            return delta
+        reply.feed(text)
+        return audio_delta(transcript=text)
+
     n = len(choices)
     parsers = [new_parser() for _ in range(n)] if new_parser is not None else None
     lasts, n_outs, offsets = [None] * n, [0] * n, [0] * n
-    async with contextlib.aclosing(_merged(choices) if n > 1 else _single(*choices[0])) as outputs:
-        if chat:
-            for i in range(n):
-                yield chunk(i, None, None, role=True)
-        async for i, out in outputs:
-            lasts[i] = out
-            n_outs[i] += len(out.new_token_ids)
-            reason = ("length" if out.finish_reason == "length" else "stop") if out.finished else None
-            if out.text_delta and i == 0:
-                timer.mark(asyncio.get_running_loop().time())
-            logprobs = None
-            if tokenizer is not None and out.logprobs:
-                if chat:
-                    logprobs = {"content": hl.chat_entries(tokenizer, out.new_token_ids, out.logprobs),
-                                "refusal": None}
-                else:
-                    logprobs, offsets[i] = hl.completion_logprobs(tokenizer, out.new_token_ids, out.logprobs,
-                                                                  offsets[i])
-            if parsers is not None:
-                parser = parsers[i]
-                events = parser.feed(out.text_delta or "") + (tl.finish(parser, cut=out.finish_reason == "length")
-                                                               if out.finished else [])
-                deltas = list(_tool_deltas(events))
-                for k, delta in enumerate(deltas):
-                    yield chunk(i, delta, None, logprobs=logprobs if k == 0 else None)
-                if logprobs is not None and not deltas:   # tokens the parser holds back still have their logprobs
-                    yield chunk(i, None, None, logprobs=logprobs)
-                if reason:
-                    yield chunk(i, None, "tool_calls" if parser.calls and reason == "stop" else reason)
-            elif out.text_delta or reason or logprobs is not None:
-                yield chunk(i, out.text_delta, reason, logprobs=logprobs)
-        usage = _usage(lasts, n_outs)
-        record_usage(timer.timing, usage)
-        if include_usage:
-            yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                            "choices": [], "usage": usage}) + b"\n\n"
+    held_reason = None   # the finish_reason, held back until the spoken reply's audio is out
+
+    def choice_chunks(i: int, out) -> list[bytes]:
+        nonlocal held_reason
+        lasts[i] = out
+        n_outs[i] += len(out.new_token_ids)
+        reason = ("length" if out.finish_reason == "length" else "stop") if out.finished else None
+        if out.text_delta and i == 0:
+            timer.mark(asyncio.get_running_loop().time())
+        logprobs = None
+        if tokenizer is not None and out.logprobs:
+            if chat:
+                logprobs = {"content": hl.chat_entries(tokenizer, out.new_token_ids, out.logprobs), "refusal": None}
+            else:
+                logprobs, offsets[i] = hl.completion_logprobs(tokenizer, out.new_token_ids, out.logprobs, offsets[i])
+        if parsers is None and reply is None:
+            return [chunk(i, out.text_delta, reason, logprobs=logprobs)] \
+                if out.text_delta or reason or logprobs is not None else []
+        deltas: list[str | dict | None] = [out.text_delta] if out.text_delta else []
+        if parsers is not None:
+            parser = parsers[i]
+            events = parser.feed(out.text_delta or "") + (tl.finish(parser, cut=out.finish_reason == "length")
+                                                           if out.finished else [])
+            deltas = list(_tool_deltas(events))
+            if reason:
+                reason = "tool_calls" if parser.calls and reason == "stop" else reason
+        chunks = [chunk(i, spoken_delta(d), None, logprobs=logprobs if k == 0 else None) for k, d in enumerate(deltas)]
+        if logprobs is not None and not deltas:   # tokens the parser holds back still have their logprobs
+            chunks.append(chunk(i, None, None, logprobs=logprobs))
+        if reason and reply is not None:
+            held_reason = reason
+            reply.finish()
+        elif reason:
+            chunks.append(chunk(i, None, reason))
+        return chunks
+
+    try:
+        async with contextlib.aclosing(_merged(choices, reply.audio() if reply else None, cut)) as outputs:
+            if chat:
+                for i in range(n):
+                    yield chunk(i, None, None, role=True)
+            async for i, out in outputs:
+                if i == SPOKEN:
+                    yield chunk(0, audio_delta(data=base64.b64encode(out).decode("ascii")), None)
+                    continue
+                for c in choice_chunks(i, out):
+                    yield c
+    except (TTSError, StreamCut) as exc:   # the text so far went out; end the body in order
+        message, code = ("The server is shutting down; this stream was cut at its shutdown timeout.",
+                         "server_shutting_down") if isinstance(exc, StreamCut) else \
+            ("The spoken reply could not be synthesized.", exc.code)
+        yield b"data: " + orjson.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                                  "code": code}}) + b"\n\n"
         yield b"data: [DONE]\n\n"
+        return
+    finally:
+        if reply is not None:
+            reply.close()
+    if reply is not None:
+        if audio_id is not None:   # the last audio delta: only its expiry, as OpenAI ends one
+            expires_at = spoken.remember(audio_id, reply.transcript)
+            yield chunk(0, {"audio": {"expires_at": expires_at}}, None)
+        yield chunk(0, None, held_reason)
+    usage = _usage(lasts, n_outs)
+    record_usage(timer.timing, usage)
+    if include_usage:
+        yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                        "choices": [], "usage": usage}) + b"\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 def _tool_deltas(events: list[tuple]):

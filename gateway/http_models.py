@@ -10,7 +10,7 @@ Unions are tagged by the JSON kind of the value (`_by_kind`) or by a `type` / `r
 start with "~" so that `_param()` can drop them from the error's location; a value of an unknown kind or tag goes to a
 member that cannot match it, so the error lands on the field the client must fix (`messages[2].role`, `tools[0].type`).
 
-Fields OpenAI defines that we do not implement (`logit_bias`, `best_of` > 1, audio output...) are accepted at
+Fields OpenAI defines that we do not implement (`logit_bias`, `best_of` > 1, `prediction`...) are accepted at
 their neutral value and otherwise refused (`unsupported()`), never silently ignored. Advisory fields (`user`,
 `metadata`, `store`, `service_tier`, the prompt-cache hints...) are type-checked and have no effect.
 """
@@ -144,6 +144,14 @@ class UserMessage(Strict):
     name: str | None = None
 
 
+class AssistantAudio(Strict):
+    """A spoken reply named by its id; the other fields are what the SDK's own message objects carry back."""
+    id: Annotated[str, Field(min_length=1, max_length=64)]
+    data: str | None = None
+    expires_at: int | None = None
+    transcript: str | None = None
+
+
 class AssistantMessage(Strict):
     role: Literal["assistant"]
     content: _by_kind(string=str, array=list[AssistantPart], null=None) = None
@@ -151,7 +159,7 @@ class AssistantMessage(Strict):
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
     annotations: list[dict] | None = None     # what the SDK's own message objects carry back; not used
-    audio: dict | None = None                 # refused when set (`unsupported()`)
+    audio: AssistantAudio | None = None       # an earlier spoken reply of this server (gateway/chat_audio.py)
     function_call: dict | None = None         # deprecated; refused when set
 
 
@@ -220,6 +228,16 @@ ResponseFormat = _by_field("type", {"text": TextFormat, "json_object": JSONObjec
                                     "json_schema": JSONSchemaResponseFormat})
 
 
+class VoiceId(Strict):
+    id: str
+
+
+class ChatAudioParam(Strict):
+    """`audio` of a chat request: the spoken reply's voice and encoding (OpenAI's names)."""
+    voice: _by_kind(string=str, object=VoiceId)
+    format: Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"]
+
+
 class StreamOptions(Strict):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None   # OpenAI's padding of deltas; we add none
@@ -273,7 +291,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: _by_kind(string=Literal["none", "auto", "required"], object=NamedToolChoice, null=None) = None
     parallel_tool_calls: bool | None = None
     modalities: list[Literal["text", "audio"]] | None = None
-    audio: dict | None = None
+    audio: ChatAudioParam | None = None
     prediction: dict | None = None
     functions: list[dict] | None = None
     function_call: _by_kind(string=str, object=dict, null=None) = None
@@ -342,9 +360,8 @@ def unsupported(req: SamplingFields) -> None:
         if req.top_logprobs and not req.logprobs:
             raise RequestValidationError("Invalid 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is set.",
                                          "top_logprobs", "invalid_value")
-        if req.modalities is not None and "audio" in req.modalities:
-            refuse("modalities", "audio output is not served over HTTP yet; use the Realtime API")
-        for name in ("audio", "prediction", "functions", "function_call", "web_search_options"):
+        _audio_output(req, refuse)
+        for name in ("prediction", "functions", "function_call", "web_search_options"):
             if getattr(req, name) is not None:
                 refuse(name, "not supported by this server")
         for i, m in enumerate(req.messages):
@@ -353,9 +370,8 @@ def unsupported(req: SamplingFields) -> None:
                     if isinstance(part, MediaPart):
                         refuse(f"messages[{i}].content[{j}].type", f"{part.type} parts are not supported over HTTP "
                                                                   f"yet; send text, or use the Realtime API for audio")
-            if isinstance(m, AssistantMessage) and (m.audio is not None or m.function_call is not None):
-                refuse(f"messages[{i}].{'audio' if m.audio is not None else 'function_call'}",
-                       "not supported by this server")
+            if isinstance(m, AssistantMessage) and m.function_call is not None:
+                refuse(f"messages[{i}].function_call", "not supported by this server")
     else:
         if req.best_of not in (None, 1):
             refuse("best_of", "only best_of=1 is supported")
@@ -365,11 +381,30 @@ def unsupported(req: SamplingFields) -> None:
             refuse("suffix", "suffixes (insertion) are not supported")
     if req.logit_bias:
         refuse("logit_bias", "logit biases are not supported by this server")
-    if req.min_tokens is not None and req.min_tokens > 1:
-        refuse("min_tokens", "min_tokens is not supported yet; ignore_eos with max_tokens gives a fixed output length")
     if req.stream_options is not None and not req.stream:
         raise RequestValidationError("Invalid 'stream_options': only allowed when 'stream' is true.",
                                      "stream_options", "invalid_value")
+
+
+def _audio_output(req: ChatCompletionRequest, refuse) -> None:
+    """`modalities` with "audio" and `audio` go together; what a spoken reply cannot be here is refused."""
+    wants_audio = req.modalities is not None and "audio" in req.modalities
+    if wants_audio and req.audio is None:
+        raise RequestValidationError("Missing required parameter: 'audio' (the spoken reply's voice and format), "
+                                     "required when 'modalities' includes \"audio\".", "audio",
+                                     "missing_required_parameter")
+    if req.audio is None:
+        return
+    if not wants_audio:
+        raise RequestValidationError("Invalid 'audio': only allowed when 'modalities' includes \"audio\".", "audio",
+                                     "invalid_value")
+    if req.audio.format == "aac":
+        refuse("audio.format", "aac cannot be encoded by this server; use wav, mp3, flac, opus or pcm16")
+    if req.stream and req.audio.format == "flac":
+        refuse("audio.format", "flac cannot be streamed (its header holds the total length); stream pcm16, wav, mp3 "
+                               "or opus, or ask for flac without 'stream'")
+    if req.n is not None and req.n > 1:
+        refuse("n", "a spoken reply is one choice; n must be 1 with audio output")
 
 
 def _param(loc: tuple) -> str | None:

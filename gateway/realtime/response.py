@@ -145,6 +145,8 @@ class ResponseRunner:
         self.stage = stage
         self.session_id, self.cache_salt, self.max_output_tokens = session_id, cache_salt, max_output_tokens
         self.stop_ids = stop_token_ids(engine.tokenizer)
+        # the model's sampling defaults (--generation-config) the Realtime API has no field for (set by the app)
+        self.sampling_defaults: dict = {}
 
     # ---------------------------------------------------------------------------------------- starting
     def announce(self, resp: ActiveResponse) -> None:
@@ -199,8 +201,8 @@ class ResponseRunner:
         if max_tokens < 1:
             raise PromptTooLongError(f"the conversation ({len(prompt.ids)} tokens) leaves no room to answer "
                                      f"within the model's {self.engine.max_model_len}-token context")
-        return SamplingParams(max_tokens=max_tokens, temperature=params.temperature, stop_token_ids=self.stop_ids,
-                              structured_outputs=params.tools.constraint())
+        return SamplingParams(**self.sampling_defaults, max_tokens=max_tokens, temperature=params.temperature,
+                              stop_token_ids=self.stop_ids, structured_outputs=params.tools.constraint())
 
     async def _check_tool_schemas(self, params: sc.ResponseParams) -> None:
         """Each active tool's `parameters` through the engine's grammar compiler (cached by schema): a schema it

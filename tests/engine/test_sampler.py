@@ -145,3 +145,63 @@ def test_held_back_text_is_released_when_not_a_stop(tokenizer):
     d = IncrementalDetokenizer(tokenizer, [1], stop=["END!"])
     out = "".join(d.add(t) for t in ids) + d.flush()
     assert out == "an ENDING word" and d.stopped_by is None
+
+
+def test_min_tokens_masks_stop_tokens_until_reached():
+    """min_tokens: EOS and stop_token_ids cannot be drawn before min_tokens output tokens, greedy or sampled; from then
+    on they can. A row whose grammar allows only a stop token keeps it (the grammar's end wins)."""
+    logits = torch.zeros(2, 8)
+    logits[:, 5] = 10.0                      # the stop token is by far the most likely
+    greedy = Request("g", [1, 2, 3], SamplingParams(temperature=0, min_tokens=2, max_tokens=8))
+    sampled = Request("s", [1, 2, 3], SamplingParams(temperature=1.0, seed=0, min_tokens=2, max_tokens=8))
+    for req in (greedy, sampled):
+        req.stop_token_ids = frozenset({5, 99})   # 99: outside the vocabulary, ignored
+    sampler = Sampler()
+    for _ in range(2):
+        toks, _ = sampler(logits, [greedy, sampled])
+        assert 5 not in toks
+        for req, t in zip((greedy, sampled), toks):
+            req.token_ids.append(t)
+    assert logits[0, 5] == 10.0                # the caller's logits are not touched
+    toks, _ = sampler(logits, [greedy, sampled])
+    assert toks[0] == 5                       # min_tokens reached: the stop token is the argmax again
+    only_stop = torch.full((1, 8), float("-inf"))
+    only_stop[0, 5] = 0.0                     # what a complete grammar leaves
+    early = Request("e", [1, 2, 3], SamplingParams(temperature=0, min_tokens=4, max_tokens=8))
+    early.stop_token_ids = frozenset({5})
+    assert sampler(only_stop, [early])[0] == [5]
+
+
+@pytest.mark.parametrize("bad", [dict(min_tokens=9, max_tokens=8), dict(min_tokens=-1), dict(min_tokens=1.5)])
+def test_min_tokens_out_of_range_is_refused(bad):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**bad)
+    assert e.value.param == "min_tokens"
+
+
+def test_stop_strings_count_only_after_min_tokens(tokenizer):
+    """vLLM's rule: the text of the first min_tokens tokens cannot end the output; a stop string that ends past it
+    does, even one that starts inside it."""
+    text = "Hello, my name is Lee, and I'm a student in the college of engineering"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+
+    def run(min_tokens: int, stop: list[str]) -> tuple[str, int]:
+        d = IncrementalDetokenizer(tokenizer, [1], stop=stop, min_tokens=min_tokens)
+        out, n = "", 0
+        for t in ids:
+            out += d.add(t)
+            n += 1
+            if d.stopped_by:
+                break
+        return out + d.flush(), n
+
+    assert run(0, ["e"])[0] == "H"
+    head = tokenizer.decode(ids[:6])                   # the text of the first 6 tokens holds an "e"
+    assert "e" in head
+    out, n = run(6, ["e"])
+    assert out.startswith(head) and n > 6 and out == text[:text.index("e", len(head))]
+    # a stop string that starts in the protected text and ends past it counts
+    cut = tokenizer.decode(ids[:5])
+    straddle = cut[-2:] + tokenizer.decode(ids[:6])[len(cut):][:2]
+    out, n = run(5, [straddle])
+    assert n == 6 and out == text[:text.index(straddle, len(cut) - 2)]

@@ -157,10 +157,13 @@ async def test_n_with_a_prompt_too_long_is_400_and_starts_nothing(server):
 
 
 async def test_model_names_404_and_retrieve(server):
+    from gateway.audio_api import SPEECH_MODELS, TRANSCRIPTION_MODELS
+
     c = client(server)
-    assert [m.id for m in (await c.models.list()).data] == [MODEL]
-    card = await c.models.retrieve(MODEL)
-    assert card.id == MODEL and card.object == "model"
+    assert [m.id for m in (await c.models.list()).data] == [MODEL, *TRANSCRIPTION_MODELS, *SPEECH_MODELS]
+    for name in (MODEL, "whisper-1", "tts-1"):
+        card = await c.models.retrieve(name)
+        assert card.id == name and card.object == "model"
     with pytest.raises(openai.NotFoundError) as info:
         await c.models.retrieve("gpt-4o")
     assert info.value.body["code"] == "model_not_found"
@@ -171,6 +174,12 @@ async def test_model_names_404_and_retrieve(server):
         err = info.value.body
         assert err["code"] == "model_not_found" and err["param"] == "model" and "gpt-4o" in err["message"]
         assert err["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as info:   # an audio model's name is not the chat model's
+        await c.chat.completions.create(model="whisper-1", max_tokens=2, messages=ASK)
+    assert info.value.body["code"] == "model_not_found" and "/v1/audio/transcriptions" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as info:   # nor the other way round
+        await c.audio.speech.create(model=MODEL, voice="alloy", input="Hi.")
+    assert (info.value.body["code"], info.value.body["param"]) == ("model_not_found", "model")
     assert (await server.wait_idle(pinned_ok=True))["num_steps"] == before["num_steps"]
 
 
@@ -197,6 +206,32 @@ async def test_cached_tokens_on_a_repeated_prompt(server):
     again = await c.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, temperature=0)
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens_details.cached_tokens < cached < again.usage.prompt_tokens
+    await server.wait_idle(pinned_ok=True)
+
+
+async def test_min_tokens_holds_off_eos_and_stop_strings(server):
+    """vLLM's min_tokens: the greedy answer that ends by EOS after n tokens goes on to min_tokens, unchanged up to
+    there; a stop string in the first min_tokens tokens' text does not end it either. Each request in a cache_salt of
+    its own, so every run computes its prompt the same way."""
+    c = client(server)
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+
+    async def greedy(**extra):
+        return await c.chat.completions.create(model=MODEL, messages=ask, max_tokens=64, temperature=0,
+                                               extra_body={"cache_salt": uuid.uuid4().hex, **extra})
+
+    short = await greedy()
+    n, text = short.usage.completion_tokens, short.choices[0].message.content
+    assert short.choices[0].finish_reason == "stop" and n < 40 and "." in text    # ended by EOS
+    longer = await greedy(min_tokens=n + 8)
+    assert longer.usage.completion_tokens >= n + 8
+    assert longer.choices[0].message.content.startswith(text)
+    cut = await greedy(stop=["."])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == text[:text.index(".")]
+    held = await greedy(stop=["."], min_tokens=n + 8)
+    content = held.choices[0].message.content
+    assert content.startswith(text) and held.usage.completion_tokens >= n + 8
+    assert held.choices[0].finish_reason == "length" or content.count(".") >= text.count(".")
     await server.wait_idle(pinned_ok=True)
 
 
@@ -240,6 +275,31 @@ async def test_generation_defaults_fill_only_what_the_client_left_out(server, tm
         own = await g.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, seed=5, temperature=1.0,
                                               top_p=1.0)
         assert own.choices[0].message.content == sampled.choices[0].message.content
+    await server.wait_idle(pinned_ok=True)
+
+
+async def test_realtime_responses_take_the_models_other_sampling_defaults(server):
+    """With a generation config of temperature 1 and top_k 1 (every draw is the most likely token), a Realtime
+    response that sets no temperature decodes what a greedy response (temperature 0) of the same conversation does:
+    its top_k came from the model's defaults. Each session in a cache_salt of its own, so both compute the prompt
+    alike."""
+    from tests.gateway.realtime.client import open_raw
+
+    state = server.app.state
+    defaults, state.sampling_defaults = state.sampling_defaults, {"temperature": 1.0, "top_k": 1}
+    answers = []
+    try:
+        for response in (None, {"temperature": 0}):
+            raw = await open_raw(server, max_output_tokens=16,
+                                 url=f"{server.realtime_url}?cache_salt={uuid.uuid4().hex}")
+            await raw.say("Describe the sea in a few words.")
+            text, done, _ = await raw.respond(response)
+            assert done["status"] in ("completed", "incomplete") and text   # (incomplete: cut at 16 tokens)
+            answers.append(text)
+            await raw.ws.close()
+    finally:
+        state.sampling_defaults = defaults
+    assert answers[0] == answers[1]
     await server.wait_idle(pinned_ok=True)
 
 

@@ -65,7 +65,7 @@ CHAT = {
     "tool_choice": (5, "sometimes", "tool_choice"),
     "parallel_tool_calls": ("yes", None, None),
     "modalities": ("text", ["video"], "modalities[0]"),
-    "audio": ("alloy", None, None),
+    "audio": ("alloy", {"voice": "alloy", "format": "ogg"}, "audio.format"),
     "prediction": ("x", None, None),
     "functions": ({"name": "f"}, None, None),
     "function_call": (5, None, None),
@@ -104,14 +104,16 @@ NESTED_CHAT = [
     ({"tool_choice": {"type": "function", "function": {"name": 5}}}, "tool_choice.function.name"),
 ]
 UNSUPPORTED_CHAT = [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": False, "top_logprobs": 1}, "top_logprobs"),
-                    ({"logit_bias": {"15": 5}}, "logit_bias"), ({"modalities": ["text", "audio"]}, "modalities"),
-                    ({"min_tokens": 5}, "min_tokens"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+                    ({"logit_bias": {"15": 5}}, "logit_bias"), ({"modalities": ["text", "audio"]}, "audio"),
+                    ({"min_tokens": 5}, "min_tokens"),   # more than max_tokens (4)
+                    ({"stream_options": {"include_usage": True}}, "stream_options"),
                     ({"messages": [{"role": "user", "content": [
                         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
                      "messages[0].content[0].type")]
 UNSUPPORTED_COMPLETIONS = [({"echo": True}, "echo"),
                            ({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"),
-                           ({"prompt": ["one", "two"]}, "prompt")]
+                           ({"prompt": ["one", "two"]}, "prompt"),
+                           ({"min_tokens": 5}, "min_tokens"), ({"max_tokens": None, "min_tokens": 10**6}, "min_tokens")]
 SDK_CHAT = set(inspect.signature(AsyncOpenAI(api_key="x").chat.completions.create).parameters)
 SDK_COMPLETIONS = set(inspect.signature(AsyncOpenAI(api_key="x").completions.create).parameters)
 

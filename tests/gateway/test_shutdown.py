@@ -1,6 +1,7 @@
 """`rtserve serve` as a process: SIGTERM drains (every Realtime response in flight ends with `response.done`
-cancelled before the 1012 close, an HTTP stream in flight finishes), refused handshakes are logged once at info with
-their reason and no ERROR, and the API key never reaches the log."""
+cancelled before the 1012 close, an HTTP stream in flight finishes, one still running at the shutdown timeout ends
+with an error chunk and `[DONE]`), refused handshakes are logged once at info with their reason and no ERROR, and the
+API key never reaches the log."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,8 @@ from tests.gateway.realtime.client import Raw
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-shutdown-secret-4242"
-SESSIONS = 4
+SESSIONS = 8
+SHUTDOWN_TIMEOUT_S = 30   # ample for the drain and the short stream; the long stream runs far past it
 
 
 class Process:
@@ -54,8 +56,9 @@ class Process:
 @pytest.fixture
 def process():
     port = _free_port()
-    proc = Process(["--port", str(port), "--no-audio", "--api-key", KEY, "--max-num-seqs", "8",
-                    "--kv-cache-memory", "128MiB", "--shutdown-timeout", "120", "--log-level", "info"])
+    proc = Process(["--port", str(port), "--no-audio", "--api-key", KEY, "--max-num-seqs", str(SESSIONS + 2),
+                    "--kv-cache-memory", "256MiB", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                    "--log-level", "info"])
     proc.port = port
     try:
         proc.wait_for("rtserve: ready on", 600)
@@ -93,6 +96,9 @@ async def test_sigterm_drains_then_closes(process):
                                                   messages=[{"role": "user", "content": "Count to 50."}],
                                                   max_tokens=24, temperature=0, stream=True)
     chunks = [await anext(aiter(stream))]
+    endless = await client.completions.create(model="SmolLM2-135M-Instruct", prompt="Once upon a time",
+                                              temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert (await anext(aiter(endless))).choices[0].text is not None   # (no max_tokens: the whole context)
 
     process.proc.send_signal(signal.SIGTERM)
     for raw in sessions:
@@ -105,6 +111,10 @@ async def test_sigterm_drains_then_closes(process):
     async for chunk in stream:  # the HTTP stream ran to its end
         chunks.append(chunk)
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.APIError) as cut:   # the endless one: an error chunk at the timeout, the body whole
+        async for _ in endless:
+            pass
+    assert cut.value.body["code"] == "server_shutting_down", cut.value.body
     # uvicorn re-raises the captured SIGTERM once its shutdown is done, so the exit status is that signal's
     assert await asyncio.to_thread(process.proc.wait, 120) in (0, -signal.SIGTERM)
 
