@@ -21,6 +21,7 @@ from engine.layers.rotary_embedding import rope_inv_freq
 from engine.models.gguf_weights import attach_gguf_linears
 from engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from engine.models.loader import check_architecture
+from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from kernels import cpu_ext
 
@@ -104,6 +105,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         logit_rows: list[int] = []
         sampling: list[int] = []
+        scored: list[tuple[Request, int, int]] = []   # (request, prompt position, row) for prompt logprobs
         max_pages = 0
         for i, s in enumerate(scheduled):
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
@@ -118,6 +120,9 @@ class ModelRunner:
             if s.samples:
                 logit_rows.append(cu[-1] - 1)
                 sampling.append(i)
+            for pos in req.params.prompt_logprob_positions or ():
+                if start < pos <= start + n and pos < req.num_prompt_tokens:   # its logits come from pos - 1
+                    scored.append((req, pos, cu[-2] + pos - 1 - start))
         tables = np.full((len(scheduled), max_pages), -1, dtype=np.int32)
         for i, s in enumerate(scheduled):
             tables[i, :len(s.request.block_table)] = s.request.block_table
@@ -133,7 +138,13 @@ class ModelRunner:
         )
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.from_numpy(np.concatenate(positions)).to(dev), meta, self.kv_cache)
-        if not logit_rows:
+        rows = logit_rows + [row for _, _, row in scored]
+        if not rows:
             return torch.empty(0, self.config["vocab_size"]), []
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
-        return logits.cpu(), sampling
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).cpu()
+        if scored:   # the same forward pass: a few more rows of logits, no step of their own
+            logprobs = logits[len(logit_rows):].float().log_softmax(-1)
+            for j, (req, pos, _) in enumerate(scored):
+                req.prompt_logprobs[pos] = float(logprobs[j, req.token_ids[pos]])
+            logits = logits[:len(logit_rows)]
+        return logits, sampling
