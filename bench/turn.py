@@ -132,6 +132,9 @@ def score(clips: list[tuple[str, str, np.ndarray, float]]) -> list[Clip]:
     from engine import LLMEngine, SamplingParams
     from gateway.realtime.response import end_of_turn_position, stop_token_ids
 
+    from gateway.realtime.turn_detection import EAGERNESS
+
+    shortest = EAGERNESS["medium"].min_silence_ms
     whisper = get_whisper()
     engine = LLMEngine(dtype="bfloat16", quantization="gguf", kv_cache_memory="128MiB")
     tok = engine.tokenizer
@@ -140,6 +143,9 @@ def score(clips: list[tuple[str, str, np.ndarray, float]]) -> list[Clip]:
     for n, (kind, text, audio, end_ms) in enumerate(clips):
         clip = Clip(kind, text, end_ms)
         for _, silence_start, silence_ms, turn in vad_pauses(audio):
+            if silence_ms < shortest:  # a gap between words: no rule can end the turn there
+                clip.pauses.append(Pause(silence_start, silence_ms))
+                continue
             t0 = time.perf_counter()
             transcript = whisper.transcribe([turn])[0].strip()
             p_text = None
@@ -163,7 +169,7 @@ def score(clips: list[tuple[str, str, np.ndarray, float]]) -> list[Clip]:
         out.append(clip)
         print(f"  {kind:8} {text[:60]!r:64} " + "  ".join(
             f"@{p.silence_start_ms} {p.silence_ms:.0f}ms text {p.p_text if p.p_text is not None else float('nan'):.2f}"
-            f" audio {p.p_audio:.2f}" for p in clip.pauses), flush=True)
+            f" audio {p.p_audio:.2f}" for p in clip.pauses if p.p_audio is not None), flush=True)
     return out
 
 
