@@ -130,7 +130,7 @@ def score(clips: list[tuple[str, str, np.ndarray, float]]) -> list[Clip]:
     from audio import smart_turn
     from audio.whisper import get_whisper
     from engine import LLMEngine, SamplingParams
-    from gateway.realtime.response import end_of_turn_position, stop_token_ids
+    from gateway.realtime.response import end_of_turn_positions, stop_token_ids
 
     from gateway.realtime.turn_detection import EAGERNESS
 
@@ -154,13 +154,14 @@ def score(clips: list[tuple[str, str, np.ndarray, float]]) -> list[Clip]:
                                                   {"role": "user", "content": transcript}],
                                                  add_generation_prompt=True, tokenize=False)
                 ids = tok.encode(prompt, add_special_tokens=False)
-                pos = end_of_turn_position(ids, stops)
-                engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprob_positions=[pos]),
+                positions = end_of_turn_positions(ids, stops, tok.decode)
+                engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0,
+                                                       prompt_logprob_positions=positions),
                                    cache_salt=f"bench-{n}-{silence_start}")
                 while engine.has_unfinished():
                     for o in engine.step():
                         if o.prompt_logprobs:
-                            p_text = float(np.exp(o.prompt_logprobs[pos]))
+                            p_text = float(np.exp(sum(o.prompt_logprobs[i] for i in positions)))
             t_text = time.perf_counter() - t0
             t1 = time.perf_counter()
             p_audio = smart_turn.score(turn)

@@ -234,16 +234,17 @@ class ResponseRunner:
             sampling = self._sampling(params, prompt)
         except PromptTooLongError:
             return None
-        eot = end_of_turn_position(prompt.ids, self.stop_ids) if score_end_of_turn else None
-        if eot is not None:
-            sampling.prompt_logprob_positions = [eot]
+        scored = end_of_turn_positions(prompt.ids, self.stop_ids, self.engine.tokenizer.decode) \
+            if score_end_of_turn else []
+        if scored:
+            sampling.prompt_logprob_positions = scored
         speech = None
         # the reply will be spoken: start on it (not when it may call a tool: its text is parsed first, by the
         # response, so no call is ever spoken)
         if self.stage is not None and params.output_modalities == ["audio"] and not params.tools.active:
             speech = SpeechPlan(self.stage, *output_format(config))
         return Pregen(self.engine, f"{self.session_id}-{p.new_id('pre')}", prompt, sampling, speech=speech,
-                      eot_position=eot, priority=REALTIME_PRIORITY, cache_salt=self.cache_salt, session_id=self.session_id)
+                      eot_positions=scored, priority=REALTIME_PRIORITY, cache_salt=self.cache_salt, session_id=self.session_id)
 
     def open_sink(self, resp: ActiveResponse):
         """The sink that turns `resp.item`'s text deltas into events: spoken when the response's modalities are
@@ -415,6 +416,19 @@ def end_of_turn_position(ids: list[int], stop_ids: list[int]) -> int | None:
     the assistant header that follows holds none."""
     stops = set(stop_ids)
     return next((i for i in range(len(ids) - 1, 0, -1) if ids[i] in stops), None)
+
+
+def end_of_turn_positions(ids: list[int], stop_ids: list[int], decode) -> list[int]:
+    """The positions whose tokens' joint logprob is P(the turn ends here | the words before): the end-of-turn token
+    and the sentence punctuation Whisper put right before it. Whisper guesses a final "?" or "." from the words, so
+    "What is the capital of?" must count as the unlikely end it is: P("?" | "...capital of") is what says so."""
+    eot = end_of_turn_position(ids, stop_ids)
+    if eot is None:
+        return []
+    start = eot
+    while start > 1 and (piece := decode([ids[start - 1]]).strip()) and all(c in ".?!,;:…" for c in piece):
+        start -= 1
+    return list(range(start, eot + 1))[-16:]
 
 
 def stop_token_ids(tokenizer) -> list[int]:

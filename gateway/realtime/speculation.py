@@ -64,7 +64,7 @@ class Speculation:
                 if pre is not None and self._wants_reply(span) and self.pregen is None:
                     self.pregen = pre
                     self.stage.speculations["pregenerated"] += 1
-                    if self._scored is not None and pre.eot_position is not None:
+                    if self._scored is not None and pre.eot_positions:
                         pre.on_end_of_turn(lambda logprob: self._scored(span, logprob))
                 elif pre is not None:
                     pre.cancel()
@@ -119,13 +119,13 @@ class Pregen:
     (`take_speech`) and sends their audio without waiting for TTS."""
 
     def __init__(self, engine, request_id: str, prompt, sampling, speech: SpeechPlan | None = None,
-                 eot_position: int | None = None, **kwargs) -> None:
+                 eot_positions: list[int] | None = None, **kwargs) -> None:
         self.request_id, self.prompt, self.sampling = request_id, prompt, sampling
-        # the prompt position of the end-of-turn token after the user's words, scored by the prefill
-        # (sampling.prompt_logprob_positions); its logprob goes to `on_end_of_turn` callbacks once known
-        self.eot_position = eot_position
+        # the prompt positions of the turn's end after the user's words (response.end_of_turn_positions), scored by
+        # the prefill (sampling.prompt_logprob_positions); their joint logprob goes to `on_end_of_turn` callbacks
+        self.eot_positions = list(eot_positions or [])
         self.eot_logprob: float | None = None
-        self._eot_known = eot_position is None
+        self._eot_known = not self.eot_positions
         self._eot_callbacks: list[Callable[[float | None], None]] = []
         self.outputs: list = []
         self.finished = False
@@ -179,7 +179,9 @@ class Pregen:
                     self.outputs.append(out)
                     self._wake.set()
                     if out.prompt_logprobs is not None:
-                        self._end_of_turn(out.prompt_logprobs.get(self.eot_position))
+                        lps = out.prompt_logprobs
+                        self._end_of_turn(sum(lps[i] for i in self.eot_positions)
+                                          if all(i in lps for i in self.eot_positions) else None)
                     if self._speaking and out.text_delta:
                         self._say(self._chunker.push(out.text_delta))
                     if self._speaking and out.finished:
