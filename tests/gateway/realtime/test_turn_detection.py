@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tests.gateway.realtime.client import PCM16, check_turn, expect_error, open_voice, utterance, wer
+from tests.gateway.realtime.client import PCM16, check_turn, expect_error, normalize, open_voice, utterance, wer
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,9 @@ async def test_no_early_end_on_an_unfinished_question(server):
     assert types.count("input_audio_buffer.speech_started") == types.count("input_audio_buffer.speech_stopped") == 1
     assert types.count("input_audio_buffer.committed") == 1
     done = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
-    assert wer("What is the capital of France?", done["transcript"]) <= 0.2, done["transcript"]
+    # the whole utterance in one item (Whisper may repeat the last word after the pause: not what is tested here)
+    heard = normalize(done["transcript"])
+    assert heard.startswith("what is the capital of") and "france" in heard, done["transcript"]
     assert counter(server, "repairs") == repairs
     await raw.ws.close()
     await server.wait_idle(pinned_ok=True)
