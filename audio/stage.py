@@ -5,11 +5,16 @@ It owns one batched Whisper transcriber and the TTS worker's synthesis threads, 
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from audio import smart_turn
 from audio.transcriber import Transcriber
 from audio.tts import SpeechClock, SpeechJob, TTSWorker
 
@@ -30,6 +35,9 @@ class AudioStage:
                                                          "spoken": 0})
     # replies (pregenerated or responding) whose first spoken piece is not cut yet: key -> when they started
     awaiting_first_piece: dict = field(default_factory=dict)
+    # Smart Turn calls, one at a time on one thread: each is short, and parallel calls would only compete for the
+    # cores the engine, Whisper and piper need
+    _turn_pool: ThreadPoolExecutor | None = None
 
     def start(self) -> "AudioStage":
         with self._lock:
@@ -57,7 +65,16 @@ class AudioStage:
         """Queue `text` for synthesis as part of the reply timed by `clock`; read it with `job.chunks()`."""
         return self.start().tts.submit(text, fmt, speed, clock)
 
+    async def score_turn(self, audio_16k: np.ndarray) -> float:
+        """Smart Turn's P(the turn is complete) for the audio up to a pause (`audio.smart_turn.score`)."""
+        with self._lock:
+            if self._turn_pool is None:
+                self._turn_pool = ThreadPoolExecutor(1, thread_name_prefix="rtserve-smart-turn")
+        return await asyncio.get_running_loop().run_in_executor(self._turn_pool, smart_turn.score, audio_16k)
+
     def close(self) -> None:
+        if self._turn_pool is not None:
+            self._turn_pool.shutdown(wait=False, cancel_futures=True)
         if self.transcriber is not None:
             self.transcriber.close()
         if self.tts is not None:

@@ -19,7 +19,9 @@ WINDOW = 512  # samples per silero step at 16 kHz (32 ms)
 CONTEXT = 64  # samples of the previous window that silero v5 prepends
 _MS_PER_SAMPLE = 1000 / SAMPLE_RATE
 
-SEMANTIC_EAGERNESS_MS = {"low": 800, "medium": 500, "high": 250, "auto": 500}
+# semantic_vad's longest silence per eagerness; the gateway's end-of-turn check (gateway/realtime/turn_detection.py)
+# ends a turn that sounds and reads complete sooner
+SEMANTIC_EAGERNESS_MS = {"low": 1200, "medium": 800, "high": 500, "auto": 800}
 # Silero's speech probability stays high for a while after a voice really stops (its recurrent state decays), so a
 # silence counted from silero's first quiet window starts late. When silero turns to silence, the run of windows just
 # before it that were already TAIL_DB below the turn's loudest window (at most MAX_TAIL_MS of them) counts as

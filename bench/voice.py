@@ -3,8 +3,8 @@
     rtserve bench voice --sessions 1,8
 
 Starts `rtserve serve` as a subprocess (or measures `--url` as is). Each session streams real speech (piper, a
-different question per session) in real time in `--chunk-ms` appends with server VAD (silence window 500 ms), and keeps
-streaming silence like an open microphone until the reply is done; `--turns` turns per session. Each session count runs
+different question per session) in real time in `--chunk-ms` appends with server VAD (silence window 500 ms;
+`--turn-detection semantic_vad`: the semantic end of turn, eagerness auto), and keeps streaming silence like an open microphone until the reply is done; `--turns` turns per session. Each session count runs
 once per `--spread-ms` value: 0 = all sessions start at the same moment (their turns end within a few ms of each
 other), S > 0 = session i starts i·S/N ms later (turns ending spread over S ms, like independent users).
 Measured by the client, per turn, from the end of speech — the moment the append holding the last voiced sample
@@ -62,7 +62,8 @@ def make_clips() -> list[Clip]:
 
 
 async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_ms: int, max_tokens: int,
-                      delay_s: float = 0.0, progress: report.Progress | None = None) -> list:
+                      delay_s: float = 0.0, progress: report.Progress | None = None,
+                      turn_detection: str = "server_vad") -> list:
     out = []
     await asyncio.sleep(delay_s)
     silence = base64.b64encode(bytes(RATE * 2 * chunk_ms // 1000)).decode()
@@ -77,7 +78,8 @@ async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_m
             pass
         await ws.send(orjson.dumps({"type": "session.update", "session": {
             "type": "realtime", "output_modalities": ["audio"], "max_output_tokens": max_tokens,
-            "instructions": "You are a concise voice assistant. Answer in one short sentence."}}).decode())
+            "instructions": "You are a concise voice assistant. Answer in one short sentence.",
+            "audio": {"input": {"turn_detection": {"type": turn_detection}}}}}).decode())
         while (await recv())["type"] != "session.updated":
             pass
         for t in range(turns):
@@ -192,6 +194,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="comma-separated: session i starts i*S/N ms after the first (0: all at once); "
                          "one run per value for each session count above 1")
     ap.add_argument("--max-output-tokens", type=int, default=24)
+    ap.add_argument("--turn-detection", default="server_vad", choices=("server_vad", "semantic_vad"),
+                    help="server_vad: 500 ms window; semantic_vad (eagerness auto): early ends of turn")
     ap.add_argument("--url", default=None, help="measure a running server (ws://host:port/v1/realtime) as it is")
     ap.add_argument("--server-args", default="", help="extra `rtserve serve` flags for the started server")
     ap.add_argument("--no-rtf", action="store_true", help="skip the in-process encoder RTF measurement")
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(x) for x in args.sessions.split(",") if x]
     spreads = [int(x) for x in args.spread_ms.split(",") if x]
     print(f"rtserve bench voice: sessions {counts}, {args.turns} turns, {args.chunk_ms} ms appends in real time, "
-          f"server VAD (500 ms silence), {args.max_output_tokens} output tokens, start spread {spreads} ms, "
+          f"{args.turn_detection}, {args.max_output_tokens} output tokens, start spread {spreads} ms, "
           f"{os.cpu_count()} CPUs", flush=True)
     report.stage("synthesizing the spoken questions (piper) ...")
     clips = make_clips()
@@ -214,14 +218,16 @@ def main(argv: list[str] | None = None) -> int:
         proc = start_server(port, True, args.server_args.split())
         url = f"ws://127.0.0.1:{port}/v1/realtime"
     try:
-        asyncio.run(run_session(url, 0, clips, 1, args.chunk_ms, args.max_output_tokens))  # warm-up
+        asyncio.run(run_session(url, 0, clips, 1, args.chunk_ms, args.max_output_tokens,
+                                turn_detection=args.turn_detection))  # warm-up
         for n in counts:
             for spread in (spreads if n > 1 else [0]):
                 progress = report.Progress(f"{n} sessions, spread {spread} ms", total=n * args.turns)
 
                 async def load():
                     return await asyncio.gather(*(run_session(url, i, clips, args.turns, args.chunk_ms,
-                                                              args.max_output_tokens, i * spread / 1000 / n, progress)
+                                                              args.max_output_tokens, i * spread / 1000 / n, progress,
+                                                              args.turn_detection)
                                                   for i in range(n)))
                 turns = [t for r in asyncio.run(load()) for t in r]
                 progress.close("turns done")

@@ -92,7 +92,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         self.update_hashes(req)
-        limit = (req.num_tokens - 1) // self.block_size
+        scored = req.first_scored_position  # a prompt logprob needs the position before it computed
+        limit = (min(req.num_tokens, scored or req.num_tokens) - 1) // self.block_size
         hit: list[int] = []
         for h in req.block_hashes[:limit]:
             pages = self.cached.get(h)

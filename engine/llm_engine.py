@@ -54,6 +54,9 @@ class RequestOutput:
     num_output_tokens: int
     logprobs: list | None = None
     error: str | None = None      # finish_reason "error": why the step failed this request
+    # SamplingParams.prompt_logprob_positions: position -> logprob of the prompt's token there, in the request's
+    # first output (a position the prefill never computed, e.g. after a preemption, is absent)
+    prompt_logprobs: dict[int, float] | None = None
 
 
 @dataclass(slots=True)
@@ -84,6 +87,9 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, cache_
     if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
         raise InvalidRequestError(f"prompt has token ids outside [0, {vocab_size})", param="prompt")
     n = len(prompt_token_ids)
+    if any(pos >= n for pos in params.prompt_logprob_positions or ()):
+        raise InvalidRequestError(f"prompt_logprob_positions must be below the prompt's {n} tokens",
+                                  param="prompt_logprob_positions")
     if n + 1 > max_model_len:
         raise PromptTooLongError(f"prompt has {n} tokens; the model context is {max_model_len} "
                                  f"(including at least one output token)", param="prompt")
@@ -415,9 +421,13 @@ class LLMEngine:
         finished = req.status.finished
         if finished:
             self.detoks.pop(req.request_id, None)
-        return RequestOutput(req.request_id, new_ids, delta, finished, req.status.value if finished else None,
-                             req.num_prompt_tokens, max(req.num_cached_tokens, 0), req.num_output_tokens,
-                             logprobs)
+        out = RequestOutput(req.request_id, new_ids, delta, finished, req.status.value if finished else None,
+                            req.num_prompt_tokens, max(req.num_cached_tokens, 0), req.num_output_tokens,
+                            logprobs)
+        if req.params.prompt_logprob_positions and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True
+            out.prompt_logprobs = dict(req.prompt_logprobs)
+        return out
 
     def _track_waste(self) -> None:
         running = self.scheduler.running

@@ -21,6 +21,7 @@ from engine.layers.rotary_embedding import rope_inv_freq
 from engine.models.gguf_weights import attach_gguf_linears
 from engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from engine.models.loader import check_architecture
+from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from kernels import cpu_ext
 
@@ -112,6 +113,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         logit_rows: list[int] = []
         sampling: list[int] = []
+        scored: list[tuple[Request, int, int]] = []   # (request, prompt position, row) for prompt logprobs
         max_pages = 0
         seq_tables: list[list[int]] = []      # the block table of each attention sequence (cu / seq_lens entry)
         for i, s in enumerate(scheduled):
@@ -139,11 +141,14 @@ class ModelRunner:
             if s.samples:   # the last known token's position, then one row per draft
                 logit_rows.extend(range(cu[-1] - 1 - num_spec, cu[-1]))
                 sampling.append(i)
+            for pos in req.params.prompt_logprob_positions or ():
+                if start < pos <= start + n and pos < req.num_prompt_tokens:   # its logits come from pos - 1
+                    scored.append((req, pos, cu[-2] + pos - 1 - start))
         tables = np.full((len(seq_tables), max_pages), -1, dtype=np.int32)
         for i, t in enumerate(seq_tables):
             tables[i, :len(t)] = t
         if self.graphs is not None and len(input_ids) == len(scheduled) == len(sampling) == len(logit_rows) \
-                <= self.graphs.max_bs:
+                <= self.graphs.max_bs and not scored:
             return self.graphs.run(input_ids, np.concatenate(positions), np.concatenate(slots), seq_lens,
                                    tables), sampling   # a decode-only step: one token per sequence, all sampling
         dev = self.device
@@ -155,7 +160,13 @@ class ModelRunner:
         )
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.from_numpy(np.concatenate(positions)).to(dev), meta, self.kv_cache)
-        if not logit_rows:
+        rows = logit_rows + [row for _, _, row in scored]
+        if not rows:
             return torch.empty(0, self.config["vocab_size"]), []
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
-        return logits.cpu(), sampling
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).cpu()
+        if scored:   # the same forward pass: a few more rows of logits, no step of their own
+            logprobs = logits[len(logit_rows):].float().log_softmax(-1)
+            for j, (req, pos, _) in enumerate(scored):
+                req.prompt_logprobs[pos] = float(logprobs[j, req.token_ids[pos]])
+            logits = logits[:len(logit_rows)]
+        return logits, sampling

@@ -48,6 +48,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: dict[int, float] = field(default_factory=dict)   # position -> logprob (params' positions)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -69,6 +71,13 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def first_scored_position(self) -> int | None:
+        """The first prompt position whose logprob is asked for: the prefix cache may serve only tokens before it
+        minus one, since the logits that score it come from the position before."""
+        positions = self.params.prompt_logprob_positions
+        return min(positions) if positions else None
 
     @property
     def sort_key(self) -> tuple[int, float]:

@@ -84,6 +84,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0               # EOS, stop_token_ids and stop strings cannot end the output before this many tokens
     logprobs: int | None = None       # top-n logprobs per output token (of the raw model distribution)
+    # prompt positions whose token's logprob (given the prompt before it) comes back in RequestOutput.prompt_logprobs:
+    # vLLM's prompt_logprobs, for a few chosen positions, computed in the prefill's own forward pass
+    prompt_logprob_positions: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None   # grammar-constrained decoding
 
     def __post_init__(self) -> None:
@@ -121,6 +124,10 @@ class SamplingParams:
             bad("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)):
             bad("logprobs", f"must be an integer, got {self.logprobs!r}")
+        positions = self.prompt_logprob_positions
+        if positions is not None and (not isinstance(positions, (list, tuple)) or len(positions) > 16 or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in positions)):
+            bad("prompt_logprob_positions", "must be a list of at most 16 integers >= 1 (position 0 has no logprob)")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:

@@ -27,6 +27,8 @@ BENCHMARKS = {
              "audio, playback gaps (starts its own server, or measures --url)",
     "tts": "many replies starting to speak at once on the shared TTS worker: first audio, whole clause, worst "
            "playback gap; streamed synthesis against piper's whole-clause way",
+    "turn": "end of turn on our own spoken utterances (complete / paused mid-clause): early ends, false ends and "
+            "detection delay for the fixed 500 ms window, the engine's and Smart Turn's signals alone and combined",
     "priority": "a Realtime-priority turn's time to first token while a long HTTP-priority prompt is in flight, on "
                 "the engine alone",
     "serve": "any OpenAI-compatible server (rtserve, llama.cpp's llama-server, vLLM) over HTTP: a seeded workload "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -140,6 +140,14 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("rtserve_inter_token_latency_seconds", "Gap between consecutive text deltas.", ["api"],
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        # semantic end of turn (gateway/realtime/turn_detection.py)
+        self.turn_checks = Counter("rtserve_turn_end_checks", "Pauses scored for an early end of turn.",
+                                   registry=self.registry)
+        self.turn_early_ends = Counter("rtserve_turn_early_ends", "Turns ended before the VAD's silence window.",
+                                       registry=self.registry)
+        self.turn_repairs = Counter("rtserve_turn_repairs", "Early ends undone: the user went on within the grace "
+                                    "period, the reply was cancelled and the speech joined the same user item.",
+                                    registry=self.registry)
         for api in ("realtime", "http"):  # export every series from the start, not only after first use
             self.ttft.labels(api)
             self.itl.labels(api)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -27,6 +28,7 @@ from audio.stage import AudioStage
 from audio.transcriber import TranscriptionError
 from audio.vad import StreamingVAD, semantic_vad_silence_ms
 from gateway.realtime import protocol as p
+from gateway.realtime import turn_detection
 from gateway.realtime.conversation import Item
 from gateway.realtime.trace import trace
 
@@ -54,9 +56,21 @@ class TurnEvents(Protocol):
     def resumed(self) -> None:
         """The voice came back after a reported pause: the turn goes on."""
 
-    def speech_stopped(self, span: Span) -> asyncio.Task | None:
-        """The turn ended on `span` (speech_stopped is sent, its commit follows). Returns the transcription of that
-        span if one is already under way (started in the pause); otherwise the committed audio is transcribed."""
+    def pause_held(self, span: Span) -> None:
+        """The reported pause has lasted the early-end policy's shortest silence (`turn_detection.Eagerness`)."""
+
+    def speech_stopped(self, span: Span, early: bool) -> asyncio.Task | None:
+        """The turn ended on `span` (speech_stopped is sent, its commit follows), `early` when the end-of-turn check
+        ended it before the VAD's window. Returns the transcription of that span if one is already under way (started
+        in the pause); otherwise the committed audio is transcribed."""
+
+    def repair(self, item: Item) -> None:
+        """Speech resumed soon after an early end that committed `item`: stop the reply to it (its next speech joins
+        `item`, see `recommitted`)."""
+
+    def recommitted(self, item: Item) -> None:
+        """The speech after a repair was committed into `item` (no new item): announce the commit; the whole
+        utterance's transcription follows."""
 
     def committed(self, item: Item) -> None:
         """Audio was committed as `item` (a user message whose `input_audio` transcript is still None): announce the
@@ -65,6 +79,14 @@ class TurnEvents(Protocol):
     def turn_ended(self, create_response: bool) -> None:
         """A VAD commit (speech_stopped, idle timeout) closed a turn: respond if `create_response` and nothing else
         stops it."""
+
+
+@dataclass(slots=True)
+class EarlyEnd:
+    """A turn the end-of-turn check ended early: its item and audio, kept while a repair may still join them."""
+    item: Item
+    audio_16k: np.ndarray
+    end_ms: int  # the segment's end on the input timeline
 
 
 def vad_from_config(turn: dict | None, position_ms: int) -> StreamingVAD | None:
@@ -104,6 +126,10 @@ class AudioInput:
         self._nested: list = []
         self._pending_chars = 0  # base64 audio queued, not yet decoded
         self._reported_pause: Span | None = None  # (worker thread) the pause last reported, while it lasts
+        self._held_pause: Span | None = None  # (worker thread) ... and reported again at the policy's shortest silence
+        self.policy = turn_detection.policy(self.turn)  # early ends (None: the VAD's window only)
+        self._early: EarlyEnd | None = None  # the last turn, if it ended early and may still be repaired
+        self.joining: EarlyEnd | None = None  # a repaired turn, which the speech now going on continues
 
     @property
     def busy(self) -> bool:
@@ -169,7 +195,9 @@ class AudioInput:
             if config["turn_detection"] != self.turn:
                 self.turn = config["turn_detection"]
                 self.vad = vad_from_config(self.turn, self.buf.timeline_ms)
+                self.policy = turn_detection.policy(self.turn)
                 self.speech_item_id = None
+                self._forget_early_end()
         self.submit(op, None)
 
     def submit_append(self, audio: str, event_id: str | None) -> None:
@@ -194,7 +222,11 @@ class AudioInput:
             elif kind == "timeout":
                 self._timeout(value, seg)
             elif kind == "paused":
+                if self.joining is not None:  # a repaired turn: the whole utterance is what may be ending
+                    seg = np.concatenate([self.joining.audio_16k, seg])
                 self.events.paused(value, seg)
+            elif kind == "pause_held":
+                self.events.pause_held(value)
             elif kind == "resumed":
                 self.events.resumed()
 
@@ -227,6 +259,7 @@ class AudioInput:
         that pause becomes the end of the turn, speech_stopped comes with the same span); its end is reported too."""
         pause = vad.pause
         if pause is None:
+            self._held_pause = None
             if self._reported_pause is None:
                 return []
             self._reported_pause = None
@@ -235,7 +268,11 @@ class AudioInput:
                 or pause.silence_ms < self.pause_ms:
             return []
         span = (pause.speech_start_ms, pause.silence_start_ms)
+        policy = self.policy
         if span == self._reported_pause:
+            if policy is not None and span != self._held_pause and pause.silence_ms >= policy.min_silence_ms:
+                self._held_pause = span
+                return [("pause_held", span, None)]
             return []
         self._reported_pause = span
         held = self.buf.audio()
@@ -243,11 +280,26 @@ class AudioInput:
         hi = max(lo, int(span[1] * 16) - int(self.buf.start_ms * 16))
         return [("paused", span, held[lo:hi].copy())]
 
+    def end_turn_early(self, span: Span) -> None:
+        """The end-of-turn check says the turn paused at `span` is over: end it now, in order with the audio queued,
+        unless the voice came back (or the window ended it) meanwhile."""
+        async def op() -> None:
+            vad = self.vad
+            pause = vad.pause if vad is not None else None
+            if pause is None or (pause.speech_start_ms, pause.silence_start_ms) != span:
+                return
+            ev = vad.force_stop()
+            self._reported_pause = self._held_pause = None
+            seg = await asyncio.to_thread(self.buf.commit_range, ev.audio_start_ms, ev.audio_end_ms)
+            self._speech_stopped(ev, seg, early=True)
+        self.submit(op, None)
+
     async def commit(self) -> None:
         seg = await asyncio.to_thread(self.buf.commit)
         if self.vad is not None:
             self.vad.reset(position_ms=self.buf.timeline_ms)
         item_id, self.speech_item_id = self.speech_item_id, None
+        self._forget_early_end()
         self._commit(seg.audio_16k, item_id)
 
     async def clear(self) -> None:
@@ -255,6 +307,7 @@ class AudioInput:
         if self.vad is not None:
             self.vad.reset(position_ms=self.buf.timeline_ms)
         self.speech_item_id = None
+        self._forget_early_end()
         self.send({"type": "input_audio_buffer.cleared"})
 
     async def decode_parts(self, item: Item) -> dict[int, np.ndarray]:
@@ -273,27 +326,53 @@ class AudioInput:
 
     # ------------------------------------------------------------------------------------------ VAD events
     def _speech_started(self, ev) -> None:
+        early, self._early = self._early, None
         self.speech_item_id = p.new_id("item")
         self.idle_anchor_ms = None
+        pad = self.vad.prefix_padding_ms if self.vad is not None else 0
+        if early is not None and ev.audio_start_ms + pad - early.end_ms <= turn_detection.REPAIR_GRACE_MS:
+            # the user went on: the early end was false; this speech continues the same item
+            self.joining, self.speech_item_id = early, early.item.id
+            task = self.transcripts.pop(early.item.id, None)
+            if task is not None:
+                task.cancel()
+            self.events.repair(early.item)
         self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": ev.audio_start_ms,
                    "item_id": self.speech_item_id})
         self.events.speech_started(bool(self.turn and self.turn.get("interrupt_response", True)))
 
-    def _speech_stopped(self, ev, seg) -> None:
-        trace(self.name, "speech_stopped", ev.audio_end_ms)
+    def _speech_stopped(self, ev, seg, early: bool = False) -> None:
+        trace(self.name, "speech_stopped", (ev.audio_end_ms, "early") if early else ev.audio_end_ms)
         item_id, self.speech_item_id = self.speech_item_id or p.new_id("item"), None
         self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ev.audio_end_ms,
                    "item_id": item_id})
-        early = self.events.speech_stopped((ev.audio_start_ms, ev.audio_end_ms))
-        self._commit(seg.audio_16k, item_id, early)
+        transcript = self.events.speech_stopped((ev.audio_start_ms, ev.audio_end_ms), early)
+        joining, self.joining = self.joining, None
+        if joining is not None:  # a repaired turn: the same item, transcribed again as one utterance
+            audio = np.concatenate([joining.audio_16k, seg.audio_16k])
+            item = joining.item
+            self.events.recommitted(item)
+            self._start_transcription(item, 0, audio, transcript)
+        else:
+            audio = seg.audio_16k
+            item = self._commit(audio, item_id, transcript)
+        self._early = EarlyEnd(item, audio, ev.audio_end_ms) if early else None
         self.events.turn_ended(self.create_response)
 
     def _timeout(self, span, seg) -> None:
+        self._forget_early_end()
         item_id = p.new_id("item")
         self.send({"type": "input_audio_buffer.timeout_triggered", "audio_start_ms": span[0],
                    "audio_end_ms": span[1], "item_id": item_id})
         self._commit(seg.audio_16k, item_id)
         self.events.turn_ended(self.create_response)
+
+    def _forget_early_end(self) -> None:
+        """No repair any more (a manual commit or clear, new turn detection): a turn being joined keeps the
+        transcript of its own audio."""
+        joining, self._early, self.joining = self.joining, None, None
+        if joining is not None:
+            self._start_transcription(joining.item, 0, joining.audio_16k)
 
     def response_finished(self, audio_ms: int) -> None:
         """Start the idle clock when the reply's audio would have finished playing (idle_timeout_ms)."""
@@ -301,11 +380,12 @@ class AudioInput:
             self.idle_anchor_ms = self.buf.timeline_ms + audio_ms
 
     # ------------------------------------------------------------------------------------- commit/transcribe
-    def _commit(self, audio_16k: np.ndarray, item_id: str | None, early: asyncio.Task | None = None) -> None:
+    def _commit(self, audio_16k: np.ndarray, item_id: str | None, early: asyncio.Task | None = None) -> Item:
         item = Item(item_id or p.new_id("item"), "message", role="user",
                     content=[{"type": "input_audio", "transcript": None}])
         self.events.committed(item)
         self._start_transcription(item, 0, audio_16k, early)
+        return item
 
     def _start_transcription(self, item: Item, index: int, audio_16k: np.ndarray,
                              early: asyncio.Task | None = None) -> None:

@@ -219,27 +219,34 @@ class ResponseRunner:
                 raise InvalidRequestError(f"the parameters of tool {t['name']!r} cannot be compiled to a grammar: "
                                           f"{str(exc).split(': ', 1)[-1]}", param=f"{where}.parameters") from None
 
-    async def pregenerate(self, transcript: str) -> Pregen | None:
+    async def pregenerate(self, transcript: str, score_end_of_turn: bool = False,
+                          replaces: str | None = None) -> Pregen | None:
         """Start decoding the reply to a turn that may be ending (server VAD pause): the prompt the response would
         render if `transcript` were committed now. Nothing is sent; a response adopts it only if its prompt and
-        sampling turn out identical (see `run`), otherwise it is aborted."""
+        sampling turn out identical (see `run`), otherwise it is aborted. `score_end_of_turn`: the prefill also scores
+        the end-of-turn token after the user's words (turn_detection.py); `replaces`: the id of a user item this
+        turn's speech continues (a repaired early end), left out since `transcript` holds all of it."""
         config = self.config()
         params = sc.response_params(config, None, self.dialect)
         pending = Item("pending", "message", role="user", content=[{"type": "input_audio", "transcript": transcript}])
         settled = [it for it in self.conversation.items  # this turn's item, if committed already, is `pending`
-                   if not any(part.get("transcript", "") is None for part in it.content)]
+                   if it.id != replaces and not any(part.get("transcript", "") is None for part in it.content)]
         prompt, _ = await self._render([*settled, pending], params.instructions, True, params.tools)
         try:
             sampling = self._sampling(params, prompt)
         except PromptTooLongError:
             return None
+        scored = end_of_turn_positions(prompt.ids, self.stop_ids, self.engine.tokenizer.decode) \
+            if score_end_of_turn else []
+        if scored:
+            sampling.prompt_logprob_positions = scored
         speech = None
         # the reply will be spoken: start on it (not when it may call a tool: its text is parsed first, by the
         # response, so no call is ever spoken)
         if self.stage is not None and params.output_modalities == ["audio"] and not params.tools.active:
             speech = SpeechPlan(self.stage, *output_format(config))
         return Pregen(self.engine, f"{self.session_id}-{p.new_id('pre')}", prompt, sampling, speech=speech,
-                      priority=REALTIME_PRIORITY, cache_salt=self.cache_salt, session_id=self.session_id)
+                      eot_positions=scored, priority=REALTIME_PRIORITY, cache_salt=self.cache_salt, session_id=self.session_id)
 
     def open_sink(self, resp: ActiveResponse):
         """The sink that turns `resp.item`'s text deltas into events: spoken when the response's modalities are
@@ -404,6 +411,26 @@ def _too_long_param(items: list[Item], resp: ActiveResponse) -> str | None:
 
 def _error_code(exc: Exception) -> str:
     return "context_length_exceeded" if isinstance(exc, PromptTooLongError) else "invalid_value"
+
+
+def end_of_turn_position(ids: list[int], stop_ids: list[int]) -> int | None:
+    """Where the template closes the last user message (its end-of-turn token, right after the user's last word);
+    the assistant header that follows holds none."""
+    stops = set(stop_ids)
+    return next((i for i in range(len(ids) - 1, 0, -1) if ids[i] in stops), None)
+
+
+def end_of_turn_positions(ids: list[int], stop_ids: list[int], decode) -> list[int]:
+    """The positions whose tokens' joint logprob is P(the turn ends here | the words before): the end-of-turn token
+    and the sentence punctuation Whisper put right before it. Whisper guesses a final "?" or "." from the words, so
+    "What is the capital of?" must count as the unlikely end it is: P("?" | "...capital of") is what says so."""
+    eot = end_of_turn_position(ids, stop_ids)
+    if eot is None:
+        return []
+    start = eot
+    while start > 1 and (piece := decode([ids[start - 1]]).strip()) and all(c in ".?!,;:…" for c in piece):
+        start -= 1
+    return list(range(start, eot + 1))[-16:]
 
 
 def stop_token_ids(tokenizer) -> list[int]:

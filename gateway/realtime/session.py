@@ -36,7 +36,8 @@ from gateway.realtime.audio_in import AudioInput, Span
 from gateway.realtime.audio_out import AudioOutput
 from gateway.realtime.conversation import Conversation, Item, PromptRenderer, parse_item, truncate_part
 from gateway.realtime.response import ActiveResponse, PromptHistory, ResponseRunner, cancelled_details
-from gateway.realtime.speculation import SPECULATE_AFTER_MS, Speculation
+from gateway.realtime.speculation import SPECULATE_AFTER_MS, Pregen, Speculation
+from gateway.realtime.turn_detection import TurnDetector
 
 log = logging.getLogger("rtserve.session")
 
@@ -70,6 +71,7 @@ class RealtimeSession:
         self.audio = audio
         self.audio_in: AudioInput | None = None  # created on the first audio input (loads nothing before)
         self.speculation: Speculation | None = None  # (with audio_in) the work done inside a pause
+        self.turn_detector: TurnDetector | None = None  # (with audio_in) the early end-of-turn checks
         self.responses = ResponseRunner(engine=engine, renderer=renderer, metrics=metrics, send=self.send,
                                         conversation=self.conversation, history=self.history,
                                         config=lambda: self.config, dialect=self.dialect, stage=audio,
@@ -109,6 +111,7 @@ class RealtimeSession:
     async def _teardown(self, *tasks: asyncio.Task) -> None:
         if self.speculation is not None:
             self.speculation.drop()
+            self.turn_detector.drop()
         if self.audio_in is not None:
             self.audio_in.close()
         resp = self.active
@@ -384,22 +387,61 @@ class RealtimeSession:
     # ------------------------------------------------------------------------- turn events (from AudioInput)
     def speech_started(self, interrupt: bool) -> None:
         self.speculation.drop()
+        self.turn_detector.drop()
         if interrupt and self.active is not None:
             self.cancel_response("turn_detected")
 
     def paused(self, span: Span, audio_16k: np.ndarray) -> None:
         self.speculation.start(span, audio_16k)
+        self.turn_detector.start(span, audio_16k, self.audio_in.policy)
+
+    def pause_held(self, span: Span) -> None:
+        self.turn_detector.silence_reached(span)
 
     def resumed(self) -> None:
         self.speculation.drop()
+        self.turn_detector.drop()
 
-    def speech_stopped(self, span: Span) -> asyncio.Task | None:
+    def speech_stopped(self, span: Span, early: bool) -> asyncio.Task | None:
+        self.turn_detector.drop()
+        if early:
+            self.metrics.turn_early_ends.inc()
         return self.speculation.take_transcript(span)
 
     def committed(self, item: Item) -> None:
         previous = self.conversation.items[-1].id if self.conversation.items else None
         self.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item.id})
         self.add_item(item)
+
+    def repair(self, item: Item) -> None:
+        """A turn ended early, and the user went on: the reply to it stops at once (as a barge-in) and leaves the
+        conversation, so the turn, once its speech is joined to `item`, is answered afresh as a whole."""
+        self.metrics.turn_repairs.inc()
+        self.cancel_response("turn_detected")
+        if item.id not in self.conversation:
+            return
+        items = self.conversation.items
+        for later in items[next(i for i, it in enumerate(items) if it.id == item.id) + 1:]:
+            if later.role != "user":
+                self.conversation.delete(later.id)
+                self.send({"type": "conversation.item.deleted", "item_id": later.id})
+
+    def recommitted(self, item: Item) -> None:
+        if item.id not in self.conversation:  # deleted by the client meanwhile: it is a new item again
+            self.committed(item)
+            return
+        items = self.conversation.items
+        index = next(i for i, it in enumerate(items) if it.id == item.id)
+        self.send({"type": "input_audio_buffer.committed", "previous_item_id": items[index - 1].id if index else None,
+                   "item_id": item.id})
+
+    def _end_turn_early(self, span: Span) -> None:
+        self.audio_in.end_turn_early(span)
+
+    async def _pregenerate(self, transcript: str) -> Pregen | None:
+        joining = self.audio_in.joining
+        return await self.responses.pregenerate(transcript, score_end_of_turn=self.audio_in.policy is not None,
+                                                replaces=joining.item.id if joining is not None else None)
 
     def turn_ended(self, create_response: bool) -> None:
         if create_response and not self.transcribe_only and self.active is None and not self.draining:
@@ -462,7 +504,9 @@ class RealtimeSession:
             raise p.ProtocolError("Audio input is not available: this server runs without the audio stage.",
                                   "audio_unavailable", "type")
         if self.audio_in is None:
-            self.speculation = Speculation(self.audio, self.responses.pregenerate, self._reply_wanted, self.id)
+            self.turn_detector = TurnDetector(self.audio, self._end_turn_early, self.id, self.metrics)
+            self.speculation = Speculation(self.audio, self._pregenerate, self._reply_wanted, self.id,
+                                           end_of_turn_scored=self.turn_detector.text_scored)
             self.audio_in = AudioInput(self.config["audio"]["input"], self.send, self, self.audio, self.id,
                                        pause_ms=SPECULATE_AFTER_MS)
         return self.audio_in

@@ -21,6 +21,7 @@ BETA_MODELS = ("gpt-realtime", "gpt-realtime-2025-08-28", "gpt-4o-realtime-previ
 DEFAULT_TEMPERATURE = 0.8
 SERVER_VAD_DEFAULTS = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
                        "create_response": True, "interrupt_response": True, "idle_timeout_ms": None}
+SERVER_VAD_EAGERNESS = "rtserve_eagerness"  # rtserve's opt-in to the early end of turn (turn_detection.py)
 SEMANTIC_VAD_DEFAULTS = {"type": "semantic_vad", "eagerness": "auto", "create_response": True,
                          "interrupt_response": True}
 
@@ -220,9 +221,14 @@ def check_turn_detection(value: Any, param: str) -> dict | None:
         raise p.wrong_type(param, "an object or null", value)
     kind = p.check_choice(value.get("type", "server_vad"), param + ".type", ("server_vad", "semantic_vad"))
     defaults = SERVER_VAD_DEFAULTS if kind == "server_vad" else SEMANTIC_VAD_DEFAULTS
-    p.check_known(value, set(defaults), param)
+    # rtserve's own field: server_vad opts in to the early end of turn with an eagerness (turn_detection.py)
+    p.check_known(value, set(defaults) | ({SERVER_VAD_EAGERNESS} if kind == "server_vad" else set()), param)
     out = dict(defaults)
     if kind == "server_vad":
+        if value.get(SERVER_VAD_EAGERNESS) is not None:
+            out[SERVER_VAD_EAGERNESS] = p.check_choice(value[SERVER_VAD_EAGERNESS],
+                                                       f"{param}.{SERVER_VAD_EAGERNESS}",
+                                                       ("low", "medium", "high", "auto"))
         if (t := p.get_number(value, "threshold", param + ".threshold", lo=0.0, hi=1.0)) is not None:
             out["threshold"] = t
         for key in ("prefix_padding_ms", "silence_duration_ms"):

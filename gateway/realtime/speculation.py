@@ -39,8 +39,10 @@ class Speculation:
     it: a reply decoded ahead is kept only then."""
 
     def __init__(self, stage: AudioStage, pregenerate: Callable[[str], Awaitable["Pregen | None"]],
-                 reply_wanted: Callable[[bool], bool], name: str) -> None:
+                 reply_wanted: Callable[[bool], bool], name: str,
+                 end_of_turn_scored: Callable[[Span, float | None], None] | None = None) -> None:
         self.stage, self._pregenerate, self._reply_wanted, self.name = stage, pregenerate, reply_wanted, name
+        self._scored = end_of_turn_scored  # gets the prefill's end-of-turn logprob for the pausing span
         self._pending: tuple[Span, asyncio.Task] | None = None  # the pausing turn's transcription
         self._ended: Span | None = None  # the span whose transcription became the committed turn's
         self.pregen: Pregen | None = None  # the reply to that turn, decoding ahead
@@ -62,6 +64,8 @@ class Speculation:
                 if pre is not None and self._wants_reply(span) and self.pregen is None:
                     self.pregen = pre
                     self.stage.speculations["pregenerated"] += 1
+                    if self._scored is not None and pre.eot_positions:
+                        pre.on_end_of_turn(lambda logprob: self._scored(span, logprob))
                 elif pre is not None:
                     pre.cancel()
             return text
@@ -115,8 +119,14 @@ class Pregen:
     (`take_speech`) and sends their audio without waiting for TTS."""
 
     def __init__(self, engine, request_id: str, prompt, sampling, speech: SpeechPlan | None = None,
-                 **kwargs) -> None:
+                 eot_positions: list[int] | None = None, **kwargs) -> None:
         self.request_id, self.prompt, self.sampling = request_id, prompt, sampling
+        # the prompt positions of the turn's end after the user's words (response.end_of_turn_positions), scored by
+        # the prefill (sampling.prompt_logprob_positions); their joint logprob goes to `on_end_of_turn` callbacks
+        self.eot_positions = list(eot_positions or [])
+        self.eot_logprob: float | None = None
+        self._eot_known = not self.eot_positions
+        self._eot_callbacks: list[Callable[[float | None], None]] = []
         self.outputs: list = []
         self.finished = False
         self.error: BaseException | None = None
@@ -129,6 +139,22 @@ class Pregen:
             speech.stage.awaiting_first_piece[request_id] = time.monotonic()
         self._task = asyncio.create_task(self._pump(engine.generate(request_id, prompt.ids, sampling, **kwargs)),
                                          name=f"{request_id}-pregen")
+
+    def on_end_of_turn(self, callback: Callable[[float | None], None]) -> None:
+        """Call `callback(logprob)` with the end-of-turn token's logprob (None: the prefill did not score it) as soon
+        as the prefill is done, or now if it is."""
+        if self._eot_known:
+            callback(self.eot_logprob)
+        else:
+            self._eot_callbacks.append(callback)
+
+    def _end_of_turn(self, logprob: float | None) -> None:
+        if self._eot_known:
+            return
+        self._eot_known, self.eot_logprob = True, logprob
+        callbacks, self._eot_callbacks = self._eot_callbacks, []
+        for callback in callbacks:
+            callback(logprob)
 
     def _first_piece_done(self) -> None:
         if self._plan is not None:
@@ -152,6 +178,10 @@ class Pregen:
                         trace(self.request_id, "pregen first token")
                     self.outputs.append(out)
                     self._wake.set()
+                    if out.prompt_logprobs is not None:
+                        lps = out.prompt_logprobs
+                        self._end_of_turn(sum(lps[i] for i in self.eot_positions)
+                                          if all(i in lps for i in self.eot_positions) else None)
                     if self._speaking and out.text_delta:
                         self._say(self._chunker.push(out.text_delta))
                     if self._speaking and out.finished:
@@ -160,6 +190,7 @@ class Pregen:
             self.error = exc
         finally:
             self.finished = True
+            self._end_of_turn(None)
             self._first_piece_done()
             self._wake.set()
 

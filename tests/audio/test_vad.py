@@ -104,7 +104,7 @@ def test_vad_silence_noise_and_force_stop():
 
 
 def test_vad_parameters():
-    assert [semantic_vad_silence_ms(e) for e in ("low", "medium", "high", "auto", None)] == [800, 500, 250, 500, 500]
+    assert [semantic_vad_silence_ms(e) for e in ("low", "medium", "high", "auto", None)] == [1200, 800, 500, 800, 800]
     with pytest.raises(ValueError):
         semantic_vad_silence_ms("eager")
     with pytest.raises(ValueError):

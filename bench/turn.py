@@ -1,0 +1,229 @@
+"""End-of-turn benchmark: how often each rule ends a turn early on complete utterances, how often it ends one falsely
+on utterances paused at an incomplete point, and how soon after the end of speech it decides.
+
+    rtserve bench turn [--limit N]
+
+Two sets, synthesized now with piper (joe-us, its own noise on every clip; nothing recorded): COMPLETE questions and
+statements, and PAUSED utterances cut at an incomplete point ("of", "and", "the", "um", mid-clause) by a 300-700 ms
+pause, then continued. Each clip runs through the server's own pieces, in process: the silero VAD (`StreamingVAD`,
+its pauses as `AudioInput` reports them), Whisper on the turn so far, the engine's prefill of the reply prompt with
+the end-of-turn token scored (`prompt_logprob_positions`, the chat template, the voice session's instructions), and
+Smart Turn on the audio. Rules, at eagerness medium (turn_detection.EAGERNESS):
+- fixed 500 ms: server_vad's window, no early end;
+- text, audio: one signal alone against the threshold;
+- combined: `turn_detection.combine`, the server's rule.
+A rule ends a turn at a pause when the pause lasts the shortest silence and the rule clears the threshold, or when it
+lasts the window (800 ms for semantic_vad medium). Reported per set: early ends on COMPLETE (the turn ended at the
+shortest silence, before the window), false ends on PAUSED (the turn ended inside its pause), and the median
+detection delay on COMPLETE from the end of speech (−40 dB) to the decision: the pause's silence start plus the
+larger of the shortest silence and the scoring time measured here (Whisper + prefill, beside Smart Turn), started
+at the speculation delay.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+COMPLETE = [
+    "What is the capital of France?", "Can you help me with my homework?", "Tell me a joke about cats.",
+    "How tall is Mount Everest?", "What time is it in Tokyo?", "I would like to book a table for two.",
+    "Please turn off the lights in the kitchen.", "Who wrote Romeo and Juliet?", "What is the weather like today?",
+    "Set a timer for ten minutes.", "How do I make pancakes?", "Play some relaxing music.",
+    "What is two plus two?", "Thank you, that was very helpful.", "Where is the nearest train station?",
+    "How many legs does a spider have?", "Remind me to call my mother tomorrow.", "What does a koala eat?",
+    "Can you recommend a good book?", "I am feeling a bit tired today.", "Why is the sky blue?",
+    "Translate hello into Spanish.", "What is the speed of light?", "How far away is the moon?",
+    "Send a message to Sarah saying I am late.", "What is the largest ocean on Earth?", "Is it going to rain tomorrow?",
+    "Add milk and eggs to my shopping list.", "Who painted the Mona Lisa?", "What is your name?",
+    "How do you say thank you in French?", "My favourite colour is green.", "What year did the war end?",
+    "Tell me something interesting about octopuses.", "How long should I boil an egg?", "Wake me up at seven.",
+    "What is the population of Canada?", "Can you spell the word necessary?", "I think that is all for now.",
+    "What is the square root of sixty four?", "Which planet is closest to the sun?", "Good morning, how are you?",
+]
+PAUSED = [
+    ("What is the capital of", "France?"), ("I would like to book a table for", "four people tonight."),
+    ("Can you tell me the", "time in London?"), ("I need to buy some eggs and", "a loaf of bread."),
+    ("My favourite food is um", "probably pizza."), ("How many people live in", "New York City?"),
+    ("Please send an email to", "my manager about the meeting."), ("The meeting is on", "Tuesday afternoon."),
+    ("Could you play the song by", "the Beatles?"), ("I was thinking that we could", "go to the park."),
+    ("What is the difference between", "a frog and a toad?"), ("Set an alarm for", "six thirty tomorrow."),
+    ("Remind me to pick up the", "kids from school."), ("Who was the first person to", "walk on the moon?"),
+    ("I want to learn how to", "play the guitar."), ("Tell me a story about a", "dragon and a knight."),
+    ("The weather in Paris is", "usually mild in spring."), ("Can you explain how", "a rainbow forms?"),
+    ("I am looking for a recipe for", "chocolate cake."), ("What is the best way to", "learn a new language?"),
+    ("Turn the volume up to", "about fifty percent."), ("Um I think I would like", "a cup of tea."),
+    ("Where can I find the", "nearest pharmacy?"), ("My brother and", "I are going fishing."),
+    ("How long does it take to", "fly to Sydney?"), ("Add bananas and", "apples to the list."),
+    ("I have a question about", "my bank account."), ("What would happen if", "the sun disappeared?"),
+    ("Please call the", "restaurant and cancel."), ("I need directions to", "the airport."),
+    ("Is it true that", "cats sleep all day?"), ("We should probably", "leave before it gets dark."),
+    ("The name of the book is", "Pride and Prejudice."), ("Can you find me a hotel in", "Rome for Friday?"),
+    ("What is the meaning of the", "word serendipity?"), ("I forgot to", "water the plants."),
+    ("Book a flight from Boston to", "Chicago next week."), ("How do you make a", "paper airplane?"),
+    ("The train leaves at um", "half past nine."), ("Tell me the score of the", "football game last night."),
+    ("I would rather have", "coffee than tea."), ("Show me pictures of", "the Grand Canyon."),
+]
+INSTRUCTIONS = "You are a concise voice assistant. Answer in one short sentence."
+RATE = 16_000
+CHUNK_MS = 40
+
+
+@dataclass(slots=True)
+class Pause:
+    silence_start_ms: int
+    silence_ms: float  # how long the VAD's silence lasted (the clip's next speech, or its end)
+    p_text: float | None = None
+    p_audio: float | None = None
+    score_s: float = 0.0  # time to both scores, as the server overlaps them
+
+
+@dataclass(slots=True)
+class Clip:
+    kind: str  # "complete" | "paused"
+    text: str
+    end_of_speech_ms: float  # complete: the voice's end; paused: the end of the first part
+    pauses: list[Pause] = field(default_factory=list)
+
+
+def synthesize(kind: str, parts: tuple[str, ...], pause_ms: int) -> tuple[np.ndarray, float]:
+    from audio.speech import piper_speech, speech_bounds_ms
+
+    lead = np.zeros(RATE * 300 // 1000, np.float32)
+    tail = np.zeros(RATE * 1500 // 1000, np.float32)
+    voice = [piper_speech(t) for t in parts]
+    if kind == "complete":
+        _, off = speech_bounds_ms(voice[0])
+        return np.concatenate([lead, voice[0], tail]), 300 + off
+    first, second = voice
+    on1, off1 = speech_bounds_ms(first)
+    on2, _ = speech_bounds_ms(second)
+    # the gap between the voices is pause_ms (cut around the voiced parts)
+    first, second = first[: int(off1 * RATE / 1000)], second[int(on2 * RATE / 1000):]
+    gap = np.zeros(RATE * pause_ms // 1000, np.float32)
+    return np.concatenate([lead, first, gap, second, tail]), 300 + off1
+
+
+def vad_pauses(audio: np.ndarray) -> list[tuple[int, int, float, np.ndarray]]:
+    """The pauses inside the first speech segment as the server's VAD sees them: (speech start, silence start,
+    silence length, the turn's audio up to the silence)."""
+    from audio.vad import StreamingVAD
+
+    vad = StreamingVAD(silence_duration_ms=60_000)
+    step = RATE * CHUNK_MS // 1000
+    found: dict[tuple[int, int], float] = {}
+    for i in range(0, len(audio), step):
+        vad.feed(audio[i:i + step])
+        pause = vad.pause
+        if pause is not None:
+            found[(pause.speech_start_ms, pause.silence_start_ms)] = pause.silence_ms
+    return [(s, e, ms, audio[int(s * RATE / 1000):int(e * RATE / 1000)]) for (s, e), ms in sorted(found.items())
+            if ms >= 60]
+
+
+def score(clips: list[tuple[str, str, np.ndarray, float]]) -> list[Clip]:
+    from audio import smart_turn
+    from audio.whisper import get_whisper
+    from engine import LLMEngine, SamplingParams
+    from gateway.realtime.response import end_of_turn_positions, stop_token_ids
+
+    from gateway.realtime.turn_detection import EAGERNESS
+
+    shortest = EAGERNESS["medium"].min_silence_ms
+    whisper = get_whisper()
+    engine = LLMEngine(dtype="bfloat16", quantization="gguf", kv_cache_memory="128MiB")
+    tok = engine.tokenizer
+    stops = stop_token_ids(tok)
+    out = []
+    for n, (kind, text, audio, end_ms) in enumerate(clips):
+        clip = Clip(kind, text, end_ms)
+        for _, silence_start, silence_ms, turn in vad_pauses(audio):
+            if silence_ms < shortest:  # a gap between words: no rule can end the turn there
+                clip.pauses.append(Pause(silence_start, silence_ms))
+                continue
+            t0 = time.perf_counter()
+            transcript = whisper.transcribe([turn])[0].strip()
+            p_text = None
+            if transcript:
+                prompt = tok.apply_chat_template([{"role": "system", "content": INSTRUCTIONS},
+                                                  {"role": "user", "content": transcript}],
+                                                 add_generation_prompt=True, tokenize=False)
+                ids = tok.encode(prompt, add_special_tokens=False)
+                positions = end_of_turn_positions(ids, stops, tok.decode)
+                engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0,
+                                                       prompt_logprob_positions=positions),
+                                   cache_salt=f"bench-{n}-{silence_start}")
+                while engine.has_unfinished():
+                    for o in engine.step():
+                        if o.prompt_logprobs:
+                            p_text = float(np.exp(sum(o.prompt_logprobs[i] for i in positions)))
+            t_text = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            p_audio = smart_turn.score(turn)
+            t_audio = time.perf_counter() - t1
+            clip.pauses.append(Pause(silence_start, silence_ms, p_text, p_audio, max(t_text, t_audio)))
+        out.append(clip)
+        print(f"  {kind:8} {text[:60]!r:64} " + "  ".join(
+            f"@{p.silence_start_ms} {p.silence_ms:.0f}ms text {p.p_text if p.p_text is not None else float('nan'):.2f}"
+            f" audio {p.p_audio:.2f}" for p in clip.pauses if p.p_audio is not None), flush=True)
+    return out
+
+
+def decide(clip: Clip, rule: str) -> tuple[int, str, float]:
+    """Where `rule` ends the clip's turn: (index of the pause, "early" at its shortest silence or "window", delay ms
+    from the end of speech). The clips end in 1.5 s of silence, so every rule ends the last pause at the latest."""
+    from gateway.realtime.speculation import SPECULATE_AFTER_MS
+    from gateway.realtime.turn_detection import EAGERNESS, combine
+
+    policy = EAGERNESS["medium"]
+    window = 500 if rule == "fixed 500 ms" else 800
+    for i, p in enumerate(clip.pauses):
+        if rule != "fixed 500 ms" and p.silence_ms >= policy.min_silence_ms:
+            prob = {"text": p.p_text or 0.0, "audio": p.p_audio or 0.0,
+                    "combined": combine(p.p_text, p.p_audio)}[rule]
+            at = p.silence_start_ms + max(policy.min_silence_ms, SPECULATE_AFTER_MS + 1000 * p.score_s)
+            if prob >= policy.threshold and at < p.silence_start_ms + p.silence_ms:
+                return i, "early", at - clip.end_of_speech_ms
+        if p.silence_ms >= window or i == len(clip.pauses) - 1:
+            return i, "window", p.silence_start_ms + window - clip.end_of_speech_ms
+    return -1, "none", 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rtserve bench turn", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--limit", type=int, default=0, help="only the first N utterances of each set (0: all)")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    complete = COMPLETE[:args.limit or None]
+    paused = PAUSED[:args.limit or None]
+    print(f"rtserve bench turn: {len(complete)} complete, {len(paused)} paused (300-700 ms), piper joe-us, "
+          f"{os.cpu_count()} CPUs", flush=True)
+    clips = []
+    for text in complete:
+        audio, end = synthesize("complete", (text,), 0)
+        clips.append(("complete", text, audio, end))
+    for i, (head, rest) in enumerate(paused):
+        pause_ms = 300 + (i * 400 // max(1, len(paused) - 1))
+        audio, end = synthesize("paused", (head, rest), pause_ms)
+        clips.append(("paused", f"{head} [{pause_ms} ms] {rest}", audio, end))
+    scored = score(clips)
+    print("| rule | early ends, complete | false ends, paused | detection delay p50, complete |")
+    print("|---|---|---|---|")
+    for rule in ("fixed 500 ms", "text", "audio", "combined"):
+        comp = [(c, decide(c, rule)) for c in scored if c.kind == "complete" and c.pauses]
+        paus = [(c, decide(c, rule)) for c in scored if c.kind == "paused" and c.pauses]
+        early = sum(i == len(c.pauses) - 1 and k == "early" for c, (i, k, _) in comp) / max(1, len(comp))
+        cut = sum(i < len(c.pauses) - 1 for c, (i, _, _) in comp)  # ended at a gap between words
+        false = sum(i < len(c.pauses) - 1 for c, (i, _, _) in paus) / max(1, len(paus))
+        delays = [d for c, (i, _, d) in comp if i == len(c.pauses) - 1]
+        print(f"| {rule} | {100 * early:.0f} % ({cut} cut between words) | {100 * false:.0f} % | "
+              f"{statistics.median(delays):.0f} ms |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

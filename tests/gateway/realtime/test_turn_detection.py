@@ -1,0 +1,121 @@
+"""The semantic end of turn (gateway/realtime/turn_detection.py) with the real models: Whisper, the engine's own
+prefill, Smart Turn. The client stops sending in the middle of a pause, so the VAD's silence window can never run out:
+a turn that ends there ended early. Real speech synthesized in the test (piper, noise scales 0)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.gateway.realtime.client import PCM16, check_turn, expect_error, normalize, open_voice, utterance, wer
+
+pytestmark = pytest.mark.slow
+
+SESSION = {"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 16,
+           "instructions": "You are a concise voice assistant. Answer in one short sentence.",
+           "audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "medium"}}}}
+PAUSE_MS = 450  # past the medium eagerness's shortest silence, well short of its 800 ms window
+
+
+def counter(server, name: str) -> float:
+    return next(float(line.split()[-1]) for line in server.metrics_text().splitlines()
+                if line.startswith(f"rtserve_turn_{name}_total "))
+
+
+async def checked(server, before: float) -> None:
+    """Wait until the server has scored the held pause (its end-of-turn check ran)."""
+    for _ in range(2400):
+        if counter(server, "end_checks") > before:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the pause was never scored")
+
+
+async def test_a_complete_question_ends_early(server):
+    pcm, on_ms, off_ms = utterance("What is the capital of France?", tail_ms=PAUSE_MS)
+    early = counter(server, "early_ends")
+    raw = await open_voice(server, SESSION)
+    await raw.stream(pcm, PCM16)
+    events = await raw.until("response.done")
+    check_turn(events, on_ms, off_ms)
+    assert counter(server, "early_ends") == early + 1
+    done = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert wer("What is the capital of France?", done["transcript"]) <= 0.2
+    assert events[-1]["response"]["status"] in ("completed", "incomplete")
+    await raw.ws.close()
+    await server.wait_idle(pinned_ok=True)
+
+
+async def test_no_early_end_on_an_unfinished_question(server):
+    first, _, _ = utterance("What is the capital of", tail_ms=PAUSE_MS)
+    rest, _, _ = utterance("France?", lead_ms=0, tail_ms=1000)
+    repairs, checks = counter(server, "repairs"), counter(server, "end_checks")
+    raw = await open_voice(server, SESSION)
+    await raw.stream(first, PCM16)
+    await checked(server, checks)
+    await raw.stream(rest, PCM16)
+    events = await raw.until("response.done")
+    types = [e["type"] for e in events]
+    # one turn: an early end in the pause would have sent speech_stopped there, and a repair a second speech_started
+    assert types.count("input_audio_buffer.speech_started") == types.count("input_audio_buffer.speech_stopped") == 1
+    assert types.count("input_audio_buffer.committed") == 1
+    done = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    # the whole utterance in one item (Whisper may repeat the last word after the pause: not what is tested here)
+    heard = normalize(done["transcript"])
+    assert heard.startswith("what is the capital of") and "france" in heard, done["transcript"]
+    assert counter(server, "repairs") == repairs
+    await raw.ws.close()
+    await server.wait_idle(pinned_ok=True)
+
+
+async def test_speech_after_an_early_end_repairs_the_same_turn(server):
+    """The turn ends early, the reply starts; the user goes on within the grace period: the reply is cancelled and
+    leaves the conversation, the new speech joins the same user item, and the reply is made again for all of it."""
+    first, _, _ = utterance("What is the capital of France?", tail_ms=PAUSE_MS)
+    rest, _, _ = utterance("And how many people live there?", lead_ms=0, tail_ms=1000)
+    repairs = counter(server, "repairs")
+    # a spoken reply: it is still playing when the user goes on
+    raw = await open_voice(server, {**SESSION, "output_modalities": ["audio"]})
+    await raw.stream(first, PCM16)
+    events = await raw.until("response.created")
+    user_item = next(e for e in events if e["type"] == "input_audio_buffer.committed")["item_id"]
+    await raw.stream(rest, PCM16)
+    events += await raw.until("conversation.item.input_audio_transcription.completed")
+    while True:  # the cancelled reply's done, then the new reply's
+        events += await raw.until("response.done")
+        if events[-1]["response"]["status"] != "cancelled":
+            break
+    statuses = [e["response"]["status"] for e in events if e["type"] == "response.done"]
+    assert statuses[0] == "cancelled" and statuses[-1] in ("completed", "incomplete")
+    cancelled = next(e for e in events if e["type"] == "response.done")["response"]
+    assert cancelled["status_details"]["reason"] == "turn_detected"
+    commits = [e["item_id"] for e in events if e["type"] == "input_audio_buffer.committed"]
+    assert commits == [user_item, user_item]
+    added_users = [e for e in events if e["type"] == "conversation.item.added" and e["item"]["role"] == "user"]
+    assert len(added_users) == 1  # no second user item
+    assert {e["item_id"] for e in events if e["type"] == "conversation.item.deleted"} == \
+        {item["id"] for item in cancelled["output"]}
+    final = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"][-1]
+    assert final["item_id"] == user_item
+    assert wer("What is the capital of France? And how many people live there?", final["transcript"]) <= 0.25
+    session = server.app.state.sessions[raw.session_id]
+    users = [it for it in session.conversation.items if it.role == "user"]
+    assert [it.id for it in users] == [user_item] and users[0].text() == final["transcript"]
+    assert counter(server, "repairs") == repairs + 1
+    await raw.ws.close()
+    await server.wait_idle(pinned_ok=True)
+
+
+async def test_server_vad_opt_in_and_bad_values(server):
+    raw = await open_voice(server, SESSION)
+    await raw.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "server_vad", "rtserve_eagerness": "high"}}}}})
+    updated = await raw.until("session.updated")
+    assert updated[-1]["session"]["audio"]["input"]["turn_detection"]["rtserve_eagerness"] == "high"
+    await expect_error(raw, {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "server_vad", "rtserve_eagerness": "eager"}}}}}, "invalid_value",
+        "session.audio.input.turn_detection.rtserve_eagerness", None)
+    await expect_error(raw, {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "semantic_vad", "rtserve_eagerness": "high"}}}}}, "unknown_parameter",
+        "session.audio.input.turn_detection.rtserve_eagerness", None)
+    await raw.ws.close()
