@@ -20,7 +20,7 @@ class Isa(enum.Enum):
     AVX512_FP32 = 1    # AVX-512 BF16 without AMX: fp32 FMAs on bf16 tiles
     AMX = 2            # AMX bf16 tiles
     AVX512_FP16 = 3    # AVX-512 FP16 without AMX: fp16 FMAs on fp16 tiles
-    AVX512_VNNI = 4    # AVX-512 BF16 + VNNI without AMX or FP16: GGUF blocks as int8 dot products, bf16 tiles as fp32 FMAs
+    AVX512_VNNI = 4    # AVX-512 BF16 + VNNI without AMX or FP16: GGUF blocks as int8 dots, bf16 tiles as fp32 FMAs
 
 
 def cpu_isa() -> Isa:

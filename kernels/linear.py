@@ -3,7 +3,8 @@ torch, and the dispatch that sends each batch to the packed kernel, MKL's fp32 G
 
 Which kernel runs is `kernels.cpu.packed_isa()`: on AMX and AVX-512 BF16 the tiles are bf16, on an AVX-512 FP16 CPU
 without AMX they are fp16 (fp16 FMAs have twice the lanes of fp32 ones). GGUF Q4_1 / Q8_0 blocks are packed in the
-same tile order and dequantized by the kernel right before use.
+same tile order and dequantized by the kernel right before use, except on AVX512_VNNI, where they are packed in the
+integer-dot kernel's order and multiplied as int8 dot products against x quantized per block (`pack_gguf` picks).
 """
 from __future__ import annotations
 
@@ -56,10 +57,10 @@ def tile_order(w: torch.Tensor) -> torch.Tensor:
 
 def pack_wide_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """An fp32 copy of a bf16 CPU weight for batches above PACKED_MAX_ROWS (prefill chunks) where the packed kernel
-    runs bf16 tiles as fp32 FMAs (AVX-512 BF16 with neither AMX nor FP16, VNNI or not), else None. Why: without AMX, oneDNN's bf16 GEMM is
-    slower than MKL's fp32 one on the same bf16 values (docs/benchmarks.md); the products are exact in fp32,
-    accumulation is fp32 either way, and the output is rounded once to bf16 as oneDNN does. Costs 2x the bf16
-    weight's memory."""
+    runs bf16 tiles as fp32 FMAs (AVX-512 BF16 with neither AMX nor FP16, VNNI or not), else None. Why: without AMX,
+    oneDNN's bf16 GEMM is slower than MKL's fp32 one on the same bf16 values (docs/benchmarks.md); the products are
+    exact in fp32, accumulation is fp32 either way, and the output is rounded once to bf16 as oneDNN does. Costs 2x
+    the bf16 weight's memory."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or \
             packed_isa() not in (Isa.AVX512_FP32, Isa.AVX512_VNNI):
         return None

@@ -142,8 +142,9 @@ def test_greedy_text_on_int8_activations_matches_the_fp32_path(monkeypatch):
     """The engine's default path on this CPU (on a VNNI CPU: int8 activations in every GGUF layer, prefill included)
     against the one with `RTSERVE_VNNI=0` (bf16 weights times bf16 activations in fp32): greedy, the first SAME_PREFIX
     tokens of every prompt are the same, and where the texts part the default path's token is one the fp32 path also
-    ranks near the top (logprob within 1.0 of its best). Why not all tokens: the activation rounding (~0.4 % a block)
-    moves logits by a few hundredths, which decides a near-tie either way after some tokens; up to then it must agree."""
+    ranks near the top (logprob within 1.0 of its best). Why not all tokens: the activation rounding (~0.4 % a
+    block) moves logits by a few hundredths, which decides a near-tie either way after some tokens; before, it must
+    agree."""
     prompts = PROMPTS[:4]
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=5)
 

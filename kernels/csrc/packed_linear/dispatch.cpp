@@ -128,7 +128,8 @@ at::Tensor packed_linear_gguf(const at::Tensor& x, const at::Tensor& qs, const a
   // tile order: a tile row of 16 (Q4_1) or 32 (Q8_0) bytes; VNNI order: 4 (Q4_1) or 8 (Q8_0) vectors of 64 bytes
   const bool vnni = qs.dim() == 5 && qs.size(4) == 64 && (qs.size(3) == 4 || qs.size(3) == 8);
   const bool q4 = vnni ? qs.size(3) == 4 : qs.dim() == 5 && qs.size(4) == 16;
-  TORCH_CHECK(qs.dim() == 5 && qs.size(2) == 2 && (vnni || (qs.size(3) == 16 && (qs.size(4) == 16 || qs.size(4) == 32))) &&
+  const bool tiles = qs.dim() == 5 && qs.size(3) == 16 && (qs.size(4) == 16 || qs.size(4) == 32);
+  TORCH_CHECK(qs.dim() == 5 && qs.size(2) == 2 && (vnni || tiles) &&
                   qs.is_contiguous() && dm.is_contiguous() && dm.scalar_type() == at::kHalf &&
                   dm.numel() == qs.size(0) * qs.size(1) * 2 * (q4 ? 32 : 16),
               "packed_linear_gguf expects blocks packed by kernels.linear.pack_gguf_q4_1 / pack_gguf_q8_0 "
