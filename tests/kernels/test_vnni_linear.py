@@ -135,16 +135,19 @@ def test_bad_vnni_blocks_are_refused():
 
 
 GREEDY_TOKENS = 24
-SAME_PREFIX = 8
+LOGPROB_TOL = 0.25    # per token, on the same context: the activation rounding moves logits by hundredths
+NEAR_TIE = 1.0        # where the texts part, the default path's pick is this close to the fp32 path's best
 
 
 def test_greedy_text_on_int8_activations_matches_the_fp32_path(monkeypatch):
     """The engine's default path on this CPU (on a VNNI CPU: int8 activations in every GGUF layer, prefill included)
-    against the one with `RTSERVE_VNNI=0` (bf16 weights times bf16 activations in fp32): greedy, the first SAME_PREFIX
-    tokens of every prompt are the same, and where the texts part the default path's token is one the fp32 path also
-    ranks near the top (logprob within 1.0 of its best). Why not all tokens: the activation rounding (~0.4 % a
-    block) moves logits by a few hundredths, which decides a near-tie either way after some tokens; before, it must
-    agree."""
+    against the one `RTSERVE_VNNI=0` selects (bf16 weights times bf16 activations in fp32), greedy on 4 prompts.
+    Asserted: up to where the two texts part, every token's logprob agrees within LOGPROB_TOL (same context, so the
+    same distribution up to the rounding); where they part, the fp32 path itself ranked the default path's pick within
+    NEAR_TIE of its best (a near-tie went the other way, not a wrong token); the text is words. Why not equal texts:
+    the activation rounding (~0.4 % of a block's largest value) moves logits by a few hundredths, enough to decide a
+    near-tie the other way, after which greedy texts continue differently (observed here at the 4th token of one
+    prompt)."""
     prompts = PROMPTS[:4]
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=5)
 
@@ -158,9 +161,11 @@ def test_greedy_text_on_int8_activations_matches_the_fp32_path(monkeypatch):
     monkeypatch.setenv("RTSERVE_VNNI", "0")
     fp32 = run()
     for prompt, a, b in zip(prompts, default, fp32):
-        assert a.token_ids[:SAME_PREFIX] == b.token_ids[:SAME_PREFIX], prompt
-        part = next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t), None)
-        if part is not None:   # the default path's pick at the first difference is near the fp32 path's best
+        part = next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t), len(a.token_ids))
+        for step in range(part):
+            assert abs(a.logprobs[step][0] - b.logprobs[step][0]) < LOGPROB_TOL, (prompt, step)
+        if part < len(a.token_ids):
             top = dict(b.logprobs[part][1])
-            assert a.token_ids[part] in top and top[b.token_ids[part]] - top[a.token_ids[part]] < 1.0, (prompt, part)
+            picked = a.token_ids[part]
+            assert picked in top and top[b.token_ids[part]] - top[picked] < NEAR_TIE, (prompt, part)
         assert len(a.text.split()) >= 5, a.text                                  # words, not a repeated symbol
