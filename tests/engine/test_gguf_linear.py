@@ -65,7 +65,7 @@ def test_the_packed_kernel_multiplies_by_exactly_the_dense_weights():
         got, dense = lin.dequantized_packed(), lin.weight.detach()
         if kernels.packed_isa() is Isa.AVX512_VNNI:   # fp32(w * (1 +- 1 ulp)) rounded to bf16: at most a step off
             assert ((got.float() - dense.float()).abs() <= dense.float().abs() * 2 ** -7 + 1e-7).all()
-            assert (got == dense).float().mean() > 0.999
+            assert (got == dense).float().mean() > 0.98   # ~0.6 % land a step off (bf16 midpoints)
         elif kernels.packed_isa() is not Isa.AVX512_FP16:
             assert torch.equal(got, dense)
         else:   # fp16(w) seen through a bf16 output: bf16(w), or one bf16 step off where the fp16 value is a tie
@@ -115,6 +115,7 @@ def test_each_batch_size_takes_its_kernel():
 def test_decode_logprobs_close_to_hf_bf16():
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=torch.bfloat16).eval()
     llm = LLM(kv_cache_memory="64MiB", dtype="bfloat16", quantization="gguf")
+    vnni = kernels.packed_isa() is Isa.AVX512_VNNI
     for prompt in PROMPTS[:3]:
         ids = llm.tokenizer(prompt, add_special_tokens=False).input_ids
         out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, logprobs=5))[0]
@@ -123,8 +124,9 @@ def test_decode_logprobs_close_to_hf_bf16():
         for step, (_, top) in enumerate(out.logprobs):   # steps after the first are batch-1 decodes on the 4-bit path
             chosen = top[0][0]
             assert float(ref[step].max() - ref[step, chosen]) < 0.35, (prompt, step)  # HF's pick, or a near-tie in bf16
-            for tok, lp in top:
-                assert abs(lp - float(ref[step, tok])) < 0.35, (prompt, step, tok)    # as close as dense bf16 is
+            for tok, lp in top:   # as close as dense bf16 is; int8 activations (AVX512_VNNI, as llama.cpp's) move a
+                # runner-up's logprob further (up to ~0.8 seen): a block holding an outlier rounds its others coarsely
+                assert abs(lp - float(ref[step, tok])) < (1.0 if vnni else 0.35), (prompt, step, tok)
     assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_pages
 
 
