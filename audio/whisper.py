@@ -236,7 +236,7 @@ class WhisperModel:
         # The encoder's GEMMs are prefill-sized (hundreds of positions). On a CPU without AMX, oneDNN's bf16 GEMMs and
         # convolutions run slower than fp32 ones, so there the encoder runs in fp32 and hands the decoder bf16 states.
         self.encoder_dtype = dtype
-        no_amx = kernels.packed_isa() in (kernels.Isa.AVX512_FP32, kernels.Isa.AVX512_FP16)
+        no_amx = kernels.without_amx(kernels.packed_isa())
         if dtype == torch.bfloat16 and pack and no_amx:
             model.model.encoder.float()
             self.encoder_dtype = torch.float32

@@ -34,6 +34,8 @@ BENCHMARKS = {
     "serve": "any OpenAI-compatible server (rtserve, llama.cpp's llama-server, vLLM) over HTTP: a seeded workload "
              "with fixed output lengths at a sweep of concurrency levels; output tok/s, TTFT, inter-token latency "
              "(--base-url URL, or --launch rtserve,llama-server)",
+    "gguf_kernels": "per batch size, the kernels a GGUF Q4_1 / Q8_0 layer can run on this CPU (integer dots, fp32 "
+                    "FMAs, torch's 4-bit kernel, MKL fp32)",
     "served_ab": "the served path against the engine alone on the throughput workload: rtserve serve with the audio "
                  "stage on, --no-audio, and the engine in-process, interleaved; per-thread CPU seconds",
     "structured_libs": "xgrammar (the engine's grammar library) against llguidance and outlines-core on the engine's "

@@ -20,6 +20,7 @@ class Isa(enum.Enum):
     AVX512_FP32 = 1    # AVX-512 BF16 without AMX: fp32 FMAs on bf16 tiles
     AMX = 2            # AMX bf16 tiles
     AVX512_FP16 = 3    # AVX-512 FP16 without AMX: fp16 FMAs on fp16 tiles
+    AVX512_VNNI = 4    # AVX-512 BF16 + VNNI without AMX or FP16: GGUF blocks as int8 dots, bf16 tiles as fp32 FMAs
 
 
 def cpu_isa() -> Isa:
@@ -30,12 +31,21 @@ def cpu_isa() -> Isa:
 
 def packed_isa() -> Isa:
     """The instruction set that runs the packed kernels (`kernels.linear`, `kernels.linear_gguf`): AMX (bf16 tiles),
-    AVX512_FP16 (fp16 FMAs on fp16 tiles, for AVX-512 FP16 CPUs without AMX), AVX512_FP32 (fp32 FMAs on bf16 tiles,
-    for AVX-512 BF16 CPUs with neither), or NONE: no such CPU, the C++ ops not built, or switched off
-    (`RTSERVE_PACKED_LINEAR=0`, for A/B runs)."""
+    AVX512_FP16 (fp16 FMAs on fp16 tiles, for AVX-512 FP16 CPUs without AMX), AVX512_VNNI (GGUF blocks as int8 dot
+    products, bf16 tiles as fp32 FMAs, for AVX-512 BF16 + VNNI CPUs with neither), AVX512_FP32 (fp32 FMAs on bf16
+    tiles and dequantized GGUF blocks: such CPUs without VNNI, or with it and `RTSERVE_VNNI=0`), or NONE: no such CPU,
+    the C++ ops not built, or switched off (`RTSERVE_PACKED_LINEAR=0`). The switches are for A/B runs."""
     if not settings.enabled("RTSERVE_PACKED_LINEAR"):
         return Isa.NONE
-    return cpu_isa()
+    isa = cpu_isa()
+    if isa is Isa.AVX512_VNNI and not settings.enabled("RTSERVE_VNNI"):
+        return Isa.AVX512_FP32
+    return isa
+
+
+def without_amx(isa: Isa) -> bool:
+    """An AVX-512 instruction set of a CPU without (usable) AMX: there oneDNN's bf16 GEMMs run slower than fp32 ones."""
+    return isa in (Isa.AVX512_FP32, Isa.AVX512_VNNI, Isa.AVX512_FP16)
 
 
 def default_thread_count() -> int:

@@ -6,7 +6,8 @@ or ninja) or `RTSERVE_CPU_EXT=0`; the pure-torch code then serves, only slower.
 - `rms_norm`, `silu_and_mul`, `add_rms_norm` (residual add fused into the norm), `rope_store` (rotary embedding of q
   and k fused with the KV-cache store): 16-bit only, fp32 math per row, rounded where torch rounds (layer_ops.cpp).
 - `packed_linear`, `packed_linear_gguf`, `packed_isa`: bf16 linear layers on packed weights, one kernel per
-  instruction set (AMX, AVX-512 fp32 FMAs, AVX-512 FP16 FMAs) behind one dispatch (packed_linear/; `kernels.cpu`).
+  instruction set (AMX, AVX-512 fp32 FMAs, AVX-512 FP16 FMAs, AVX-512 VNNI int8 dots) behind one dispatch
+  (packed_linear/; `kernels.cpu`).
 - `decode_layers`, `decode_stack_slots`: every decoder layer of a decode-only step in one call, the kernels above in
   the Python layers' order, and the names of its weight slots (decode_stack.cpp; `kernels.decode_stack`).
 - `argmax_rows`: greedy sampling's argmax over fp32 logits rows, torch.argmax's tie and NaN rules (layer_ops.cpp).

@@ -3,7 +3,8 @@ torch, and the dispatch that sends each batch to the packed kernel, MKL's fp32 G
 
 Which kernel runs is `kernels.cpu.packed_isa()`: on AMX and AVX-512 BF16 the tiles are bf16, on an AVX-512 FP16 CPU
 without AMX they are fp16 (fp16 FMAs have twice the lanes of fp32 ones). GGUF Q4_1 / Q8_0 blocks are packed in the
-same tile order and dequantized by the kernel right before use.
+same tile order and dequantized by the kernel right before use, except on AVX512_VNNI, where they are packed in the
+integer-dot kernel's order and multiplied as int8 dot products against x quantized per block (`pack_gguf` picks).
 """
 from __future__ import annotations
 
@@ -56,11 +57,12 @@ def tile_order(w: torch.Tensor) -> torch.Tensor:
 
 def pack_wide_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """An fp32 copy of a bf16 CPU weight for batches above PACKED_MAX_ROWS (prefill chunks) where the packed kernel
-    runs as fp32 FMAs (AVX-512 BF16 with neither AMX nor FP16), else None. Why: without AMX, oneDNN's bf16 GEMM is
-    slower than MKL's fp32 one on the same bf16 values (docs/benchmarks.md); the products are exact in fp32,
-    accumulation is fp32 either way, and the output is rounded once to bf16 as oneDNN does. Costs 2x the bf16
-    weight's memory."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or packed_isa() is not Isa.AVX512_FP32:
+    runs bf16 tiles as fp32 FMAs (AVX-512 BF16 with neither AMX nor FP16, VNNI or not), else None. Why: without AMX,
+    oneDNN's bf16 GEMM is slower than MKL's fp32 one on the same bf16 values (docs/benchmarks.md); the products are
+    exact in fp32, accumulation is fp32 either way, and the output is rounded once to bf16 as oneDNN does. Costs 2x
+    the bf16 weight's memory."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or \
+            packed_isa() not in (Isa.AVX512_FP32, Isa.AVX512_VNNI):
         return None
     return weight.detach().float()
 
@@ -83,8 +85,18 @@ def pack_gguf_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[t
     n, k = q.shape
     lanes = q.view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(n // 32, k // 32, 2, 16, 32)
     qs = (lanes[..., :16] | (lanes[..., 16:] << 4)).contiguous()
-    dm = torch.stack([d, m]).view(2, n // 32, 2, 16, k // 32).permute(1, 4, 2, 0, 3).contiguous()
-    return qs, dm
+    return qs, _dm_q4_1(d, m)
+
+
+def _dm_q4_1(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """[N, K/32] d and m -> [N/32, K/32, 2 tiles, (d, m), 16 columns]."""
+    n = d.shape[0]
+    return torch.stack([d, m]).view(2, n // 32, 2, 16, d.shape[1]).permute(1, 4, 2, 0, 3).contiguous()
+
+
+def _dm_q8_0(d: torch.Tensor) -> torch.Tensor:
+    """[N, K/32] d -> [N/32, K/32, 2 tiles, 16 columns]."""
+    return d.view(d.shape[0] // 32, 2, 16, d.shape[1]).permute(0, 3, 1, 2).contiguous()
 
 
 def pack_gguf_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +104,37 @@ def pack_gguf_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torc
     qs [N/32, K/32, 2, 16, 32] int8; dm [N/32, K/32, 2, 16] fp16."""
     n, k = q.shape
     qs = q.view(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(n // 32, k // 32, 2, 16, 32)
-    return qs.contiguous(), d.view(n // 32, 2, 16, k // 32).permute(0, 3, 1, 2).contiguous()
+    return qs.contiguous(), _dm_q8_0(d)
+
+
+def pack_gguf_vnni_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1 weights (as pack_gguf_q4_1 takes them) in the order of the integer-dot kernel
+    (kernels/csrc/packed_linear/avx512_vnni.cpp): qs [N/32, K/32, 2 tiles, 4, 64] uint8, where vector v's byte 4c + b
+    of a 16-column tile holds q[c][8v + b] in its low nibble and q[c][8v + 4 + b] in its high one; dm as
+    pack_gguf_q4_1's."""
+    n, k = q.shape
+    nib = q.view(n // 32, 2, 16, k // 32, 4, 2, 4).permute(0, 3, 1, 4, 2, 5, 6)   # nb, kb, tile, v, c, half, b
+    qs = (nib[..., 0, :] | (nib[..., 1, :] << 4)).reshape(n // 32, k // 32, 2, 4, 64).contiguous()
+    return qs, _dm_q4_1(d, m)
+
+
+def pack_gguf_vnni_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 weights (as pack_gguf_q8_0 takes them) in the order of the integer-dot kernel: qs [N/32, K/32, 2 tiles, 8,
+    64] uint8, where vector v's byte 4c + b of a 16-column tile is q[c][4v + b] + 128 (the instruction's unsigned
+    operand; the kernel takes 128 * sum(x) back off); dm as pack_gguf_q8_0's."""
+    n, k = q.shape
+    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    qs = u.view(n // 32, 2, 16, k // 32, 8, 4).permute(0, 3, 1, 4, 2, 5).reshape(n // 32, k // 32, 2, 8, 64)
+    return qs.contiguous(), _dm_q8_0(d)
+
+
+def pack_gguf(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1 (m given) or Q8_0 blocks for `linear_gguf`, in the order of the kernel packed_isa() runs them on: the
+    integer-dot kernel's on AVX512_VNNI, tile order elsewhere."""
+    vnni = packed_isa() is Isa.AVX512_VNNI
+    if m is None:
+        return pack_gguf_vnni_q8_0(q, d) if vnni else pack_gguf_q8_0(q, d)
+    return pack_gguf_vnni_q4_1(q, d, m) if vnni else pack_gguf_q4_1(q, d, m)
 
 
 def linear_gguf(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

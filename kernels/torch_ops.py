@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ext
-from kernels.cpu import Isa, cpu_isa
+from kernels.cpu import cpu_isa, without_amx
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -114,7 +114,7 @@ def _prefill_dtype(q: torch.Tensor) -> torch.dtype:
 @functools.cache
 def _cpu_without_amx() -> bool:
     """An AVX-512 CPU on which the C++ ops found no usable AMX."""
-    return cpu_isa() in (Isa.AVX512_FP32, Isa.AVX512_FP16)
+    return without_amx(cpu_isa())
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,

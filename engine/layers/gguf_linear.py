@@ -10,10 +10,12 @@ kernels run on those blocks, each at the batch sizes where it measured fastest (
   rows. Not for a Q8_0 matrix (the lm_head) where a packed kernel exists: its two 4-bit planes lose to it.
 - `kernels.linear_gguf` (kernels/csrc/packed_linear/): dequantizes tile by tile to exactly the dense bf16 weights (AMX,
   or fp32 FMAs on an AVX-512 CPU without AMX), up to kernels.PACKED_MAX_ROWS rows. On an AVX-512 FP16 CPU without
-  AMX it runs as fp16 FMAs on blocks dequantized to fp16 and takes every batch size, prefill included.
+  AMX it runs as fp16 FMAs on blocks dequantized to fp16 and takes every batch size, prefill included; on an AVX-512
+  VNNI CPU with neither (`Isa.AVX512_VNNI`) as int8 dot products against x quantized to int8 per block of 32, as
+  llama.cpp does, also at every batch size (it beats the fp32 FMAs, the 4-bit kernel and MKL at each one measured).
 
-Prefill chunks and larger batches keep the dense bf16 weights (oneDNN on AMX; without AMX, MKL's fp32 GEMM on an fp32
-copy, `kernels.pack_wide_weight`).
+Elsewhere prefill chunks and larger batches keep the dense bf16 weights (oneDNN on AMX; without AMX, MKL's fp32 GEMM
+on an fp32 copy, `kernels.pack_wide_weight`).
 """
 from __future__ import annotations
 
@@ -28,8 +30,12 @@ from kernels.decode_stack import LinearWeights
 GROUP = 32            # Q4_1 and Q8_0 block size; also the kernel's group size
 # torch's 4-bit kernel up to this many rows, by the instruction set of the packed kernel (kernels.packed_isa): the
 # crossover with the packed kernel (or, with none, with dense bf16) measured for each (docs/benchmarks.md). The fp16
-# FMAs on blocks dequantized into an L1 ring are as fast from 1 row, so there the 4-bit kernel is not used.
-INT4_MAX_ROWS = {Isa.NONE: 8, Isa.AMX: 2, Isa.AVX512_FP32: 4, Isa.AVX512_FP16: 0}
+# FMAs on blocks dequantized into an L1 ring, and the int8 dot products, are faster from 1 row, so there the 4-bit
+# kernel is not used.
+INT4_MAX_ROWS = {Isa.NONE: 8, Isa.AMX: 2, Isa.AVX512_FP32: 4, Isa.AVX512_FP16: 0, Isa.AVX512_VNNI: 0}
+# where the packed kernel takes every batch size, prefill included: fp16 FMAs and int8 dot products beat MKL's fp32
+# GEMM there too (docs/benchmarks.md)
+PACKED_ANY_ROWS = (Isa.AVX512_FP16, Isa.AVX512_VNNI)
 _Q4_1_BYTES = 20      # per block: fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BYTES = 34      # per block: fp16 d, 32 int8
 
@@ -61,9 +67,10 @@ class GGUFLinear(nn.Module):
         isa = kernels.weight_isa(self.weight)   # NONE also where fp16 tiles could overflow (FP16_MAX_WEIGHT)
         # (qs, dm) in the packed kernel's tile order, or None where it does not apply
         self.packed_blocks: tuple[torch.Tensor, torch.Tensor] | None = None if isa is Isa.NONE else blocks.pack()
-        self.wide = kernels.pack_wide_weight(self.weight)   # prefill-sized batches on AVX-512 without FP16 or AMX
+        self.packed_any_rows = isa in PACKED_ANY_ROWS
+        # prefill-sized batches on AVX-512 without FP16 or AMX, unless the blocks take those too
+        self.wide = None if self.packed_any_rows else kernels.pack_wide_weight(self.weight)
         self.int4_planes = blocks.int4_planes(self.weight.dtype)
-        self.packed_any_rows = isa is Isa.AVX512_FP16   # fp16 FMAs beat MKL's fp32 GEMM at prefill sizes too
         self.int4_max_rows = INT4_MAX_ROWS[isa]
         if self.packed_blocks is not None and len(self.int4_planes) > 1:
             self.int4_max_rows = 0   # Q8_0 (lm_head): its two 4-bit passes lose to the packed kernel at every size
@@ -96,7 +103,9 @@ class GGUFLinear(nn.Module):
         return sum(plane.mm(eye) for plane in self.int4_planes).T
 
     def dequantized_packed(self) -> torch.Tensor:
-        """The weight the packed kernel multiplies by, as a dense matrix (for checks)."""
+        """The weight the packed kernel multiplies by, as a dense matrix (for checks). The integer-dot kernel
+        (AVX512_VNNI) quantizes the one-hot rows exactly, but scales them by 127 * (amax / 127), within an fp32 ulp of
+        1: its entries can be one bf16 step off the weight."""
         eye = torch.eye(self.weight.shape[1], dtype=self.weight.dtype)
         return kernels.linear_gguf(eye, *self.packed_blocks).T
 
@@ -110,11 +119,9 @@ class GgufBlocks:
         self.q, self.d, self.m = q, d, m
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qs, dm) in the tile order of `kernels.linear_gguf`."""
-        q, d = torch.from_numpy(self.q), torch.from_numpy(self.d)
-        if self.m is None:
-            return kernels.pack_gguf_q8_0(q, d)
-        return kernels.pack_gguf_q4_1(q, d, torch.from_numpy(self.m))
+        """(qs, dm) in the order `kernels.linear_gguf` runs them in on this CPU (kernels.pack_gguf)."""
+        return kernels.pack_gguf(torch.from_numpy(self.q), torch.from_numpy(self.d),
+                                 None if self.m is None else torch.from_numpy(self.m))
 
     def int4_planes(self, dtype: torch.dtype) -> list[Int4Plane]:
         d = self.d.astype(np.float32)

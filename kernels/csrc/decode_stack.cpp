@@ -69,9 +69,10 @@ at::Tensor linear(const at::Tensor& x, const Slots& w, int64_t s, int64_t int4_m
         at::_weight_int4pack_mm_for_cpu(x.contiguous(), *w[s + kInt4Weight], kInt4Group, *w[s + kInt4Scales]);
     return bias ? y + *bias : y;
   }
-  // fp16 packed kernels take every row count
+  // fp16 packed kernels and the integer dots (GGUF blocks in VNNI order, 64-byte rows) take every row count
   static const bool fp16 = rtserve::cpu_isa() == rtserve::Isa::kAvx512Fp16;
-  if (rows <= packed_max_rows || fp16) {
+  const bool vnni = has(w, s + kGgufQs) && w[s + kGgufQs]->size(-1) == 64;
+  if (rows <= packed_max_rows || fp16 || vnni) {
     if (has(w, s + kGgufQs)) return packed_linear_gguf(x, *w[s + kGgufQs], *w[s + kGgufDm], bias);
     if (has(w, s + kPacked) && (rows <= packed_max_rows || w[s + kPacked]->scalar_type() == at::kHalf))
       return packed_linear(x, *w[s + kPacked], bias);

@@ -25,8 +25,8 @@ from kernels import Isa
 from tests.engine.prompts import PROMPTS
 
 # The design (docs/benchmarks.md has the measurements): torch's 4-bit kernel takes batches up to this many rows, the
-# packed kernel the rest up to kernels.PACKED_MAX_ROWS (on AVX-512 FP16: every size), dense weights beyond.
-INT4_MAX_ROWS = {Isa.NONE: 8, Isa.AMX: 2, Isa.AVX512_FP32: 4, Isa.AVX512_FP16: 0}
+# packed kernel the rest up to kernels.PACKED_MAX_ROWS (on AVX-512 FP16 and VNNI: every size), dense weights beyond.
+INT4_MAX_ROWS = {Isa.NONE: 8, Isa.AMX: 2, Isa.AVX512_FP32: 4, Isa.AVX512_FP16: 0, Isa.AVX512_VNNI: 0}
 
 
 def test_every_quantized_layer_is_the_files_weight():
@@ -63,7 +63,10 @@ def test_the_packed_kernel_multiplies_by_exactly_the_dense_weights():
     assert all(lin.packed_blocks is not None for lin in layers)   # AMX or AVX-512 (this machine and CI): packed
     for lin in layers[:4] + layers[-5:]:                    # the first and last layers, and the Q8_0 lm_head
         got, dense = lin.dequantized_packed(), lin.weight.detach()
-        if kernels.packed_isa() is not Isa.AVX512_FP16:
+        if kernels.packed_isa() is Isa.AVX512_VNNI:   # fp32(w * (1 +- 1 ulp)) rounded to bf16: at most a step off
+            assert (got.float() - dense.float()).abs().max() <= 2 ** -8 * dense.float().abs().max()
+            assert (got == dense).float().mean() > 0.98   # ~0.6 % land a step off (bf16 midpoints)
+        elif kernels.packed_isa() is not Isa.AVX512_FP16:
             assert torch.equal(got, dense)
         else:   # fp16(w) seen through a bf16 output: bf16(w), or one bf16 step off where the fp16 value is a tie
             step = dense.float().abs() * 2 ** -7   # (~1 in 8 fp16 values is a bf16 midpoint: 2-6 % of these layers)
@@ -80,6 +83,7 @@ def test_each_batch_size_takes_its_kernel():
     attach_gguf_linears(model, default_model_path(), resolve_model_dir(None))
     lin = model.layers[3].mlp.gate_up_proj
     fp16 = kernels.packed_isa() is Isa.AVX512_FP16
+    vnni = kernels.packed_isa() is Isa.AVX512_VNNI
     packed = kernels.pack_linear_weight(lin.weight) if not fp16 else \
         kernels.tile_order(_file_weight_fp16("blk.3.ffn_gate.weight", "blk.3.ffn_up.weight"))
     int4_max_rows = INT4_MAX_ROWS[kernels.packed_isa()]
@@ -93,6 +97,9 @@ def test_each_batch_size_takes_its_kernel():
         y = lin(x)
         if rows > int4_max_rows and fp16:                                  # fp16 FMAs at every size ...
             assert torch.equal(y, torch.ops.rtserve_cpu.packed_linear(x, packed, None))   # ... on the file's weights
+        elif vnni:                                                         # int8 dot products at every size
+            assert torch.equal(y, torch.ops.rtserve_cpu.packed_linear_gguf(x, *lin.packed_blocks, None))
+            assert not torch.equal(y, dense)
         elif rows > kernels.PACKED_MAX_ROWS:                               # prefill / big batches: dense bf16 ...
             if kernels.packed_isa() is Isa.AVX512_FP32:                    # ... in MKL's fp32 GEMM, rounded once
                 dense = torch.nn.functional.linear(x.float(), lin.weight.float()).bfloat16()
@@ -108,6 +115,7 @@ def test_each_batch_size_takes_its_kernel():
 def test_decode_logprobs_close_to_hf_bf16():
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=torch.bfloat16).eval()
     llm = LLM(kv_cache_memory="64MiB", dtype="bfloat16", quantization="gguf")
+    vnni = kernels.packed_isa() is Isa.AVX512_VNNI
     for prompt in PROMPTS[:3]:
         ids = llm.tokenizer(prompt, add_special_tokens=False).input_ids
         out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, logprobs=5))[0]
@@ -116,8 +124,9 @@ def test_decode_logprobs_close_to_hf_bf16():
         for step, (_, top) in enumerate(out.logprobs):   # steps after the first are batch-1 decodes on the 4-bit path
             chosen = top[0][0]
             assert float(ref[step].max() - ref[step, chosen]) < 0.35, (prompt, step)  # HF's pick, or a near-tie in bf16
-            for tok, lp in top:
-                assert abs(lp - float(ref[step, tok])) < 0.35, (prompt, step, tok)    # as close as dense bf16 is
+            for tok, lp in top:   # as close as dense bf16 is; int8 activations (AVX512_VNNI, as llama.cpp's) move a
+                # runner-up's logprob further (up to ~0.8 seen): a block holding an outlier rounds its others coarsely
+                assert abs(lp - float(ref[step, tok])) < (1.0 if vnni else 0.35), (prompt, step, tok)
     assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_pages
 
 

@@ -32,7 +32,7 @@ def test_packed_kernel_is_used_on_this_machine():
     flags = _cpu_flags()    # `make test` installs the compiler the op needs
     avx512 = {"avx512f", "avx512_bf16"} <= flags
     expected = Isa.AMX if "amx_bf16" in flags else Isa.AVX512_FP16 if avx512 and "avx512_fp16" in flags else \
-        Isa.AVX512_FP32 if avx512 else Isa.NONE
+        Isa.AVX512_VNNI if avx512 and "avx512_vnni" in flags else Isa.AVX512_FP32 if avx512 else Isa.NONE
     assert expected is not Isa.NONE, "the project's machines have AVX-512 BF16 (with or without AMX)"
     assert kernels.packed_isa() is expected
     packed = kernels.pack_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16))
@@ -106,7 +106,7 @@ def test_packed_linear_leaves_large_batches_to_torch():
             assert ((y.double() - ref).abs() - ref.abs() * 2 ** -8).max() < 3e-3 * ref.abs().max()
         return
     assert torch.equal(kernels.linear(x, w, b, packed), F.linear(x, w, b))      # oneDNN's bf16 GEMM
-    assert (wide is not None) == (kernels.packed_isa() is Isa.AVX512_FP32)  # without AMX: MKL's fp32 GEMM
+    assert (wide is not None) == kernels.without_amx(kernels.packed_isa())  # without AMX: MKL's fp32 GEMM
     if wide is not None:
         y = kernels.linear(x, w, b, packed, wide)
         assert torch.equal(y, F.linear(x.float(), w.float(), b.float()).bfloat16())
@@ -173,6 +173,7 @@ ISA_BUILDS = [
     ("amx.cpp", "sapphirerapids", "amx_gemm"),
     ("avx512_fp16.cpp", "sapphirerapids", "avx512_fp16_gemm"),
     ("avx512_fp32.cpp", "cooperlake", "avx512_fp32_gemm"),
+    ("avx512_vnni.cpp", "cooperlake", "avx512_vnni_gemm"),
 ]
 
 

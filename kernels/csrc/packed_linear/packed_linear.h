@@ -14,6 +14,8 @@ enum class Isa : int64_t {
   kAvx512Fp32 = 1,   // AVX-512 BF16 without AMX: fp32 FMAs on bf16 tiles (avx512_fp32.cpp)
   kAmx = 2,          // AMX bf16 tiles (amx.cpp)
   kAvx512Fp16 = 3,   // AVX-512 FP16 without AMX: fp16 FMAs on fp16 tiles (avx512_fp16.cpp)
+  kAvx512Vnni = 4,   // AVX-512 BF16 + VNNI without AMX or FP16: GGUF blocks as int8 dot products (avx512_vnni.cpp),
+                     // 16-bit tiles as fp32 FMAs (avx512_fp32.cpp)
 };
 
 // The CPU's packed instruction set, detected once (dispatch.cpp).

@@ -1,4 +1,4 @@
-// What the three packed-linear kernels share: the tile layout, the weight a GEMM multiplies by (packed tiles or GGUF
+// What the packed-linear kernels share: the tile layout, the weight a GEMM multiplies by (packed tiles or GGUF
 // blocks), the GEMM's operands, and the bf16 output rows.
 //
 // Packed layout [N/32, K/32, 2, 16, 32] (bf16, or fp16 on the AVX-512 FP16 path): column block nb, k block kb holds
@@ -24,6 +24,9 @@
 #if defined(RTSERVE_HAS_AVX512_BF16) && defined(__AVX512FP16__)
 #define RTSERVE_HAS_AVX512_FP16 1
 #endif
+#if defined(RTSERVE_HAS_AVX512_BF16) && defined(__AVX512VNNI__)
+#define RTSERVE_HAS_AVX512_VNNI 1
+#endif
 #if defined(RTSERVE_HAS_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define RTSERVE_HAS_AMX 1
 #endif
@@ -35,7 +38,8 @@ constexpr int64_t kBlockN = 32;     // output columns per column block: two 16-c
 constexpr int64_t kBlockElems = 2 * 16 * 32;
 
 // The weight of one GEMM, NB column blocks of KB tile pairs: packed 16-bit tiles, or GGUF blocks in the same tile
-// order (kernels.linear.pack_gguf_q4_1 / pack_gguf_q8_0), dequantized by the kernel right before use.
+// order (kernels.linear.pack_gguf_q4_1 / pack_gguf_q8_0), dequantized by the kernel right before use, or in the
+// integer-dot kernel's own order (`vnni`, avx512_vnni.cpp; the same bytes a tile pair).
 //   q4_1: qs [NB, KB, 2, 16, 16] uint8, dm [NB, KB, 2, 2, 16] fp16
 //   q8_0: qs [NB, KB, 2, 16, 32] int8,  dm [NB, KB, 2, 16] fp16
 struct Weight {
@@ -44,6 +48,7 @@ struct Weight {
   const uint8_t* qs = nullptr;
   const at::Half* dm = nullptr;
   bool q4 = false;                   // Q4_1 (else Q8_0)
+  bool vnni = false;                 // GGUF blocks in avx512_vnni.cpp's order, not tile order
 
   bool gguf() const { return tiles == nullptr; }
   int64_t q_block() const { return q4 ? 512 : 1024; }   // bytes of qs per tile pair
@@ -68,6 +73,7 @@ bool amx_usable();   // the OS granted this process the AMX tile state (amx.cpp)
 void amx_gemm(const Gemm& g);
 void avx512_fp32_gemm(const Gemm& g);
 void avx512_fp16_gemm(const Gemm& g);
+void avx512_vnni_gemm(const Gemm& g);   // GGUF blocks in VNNI order only
 
 // f(std::integral_constant<int, rows>) for 1 <= rows <= Max: the kernels' row loops are unrolled per row count.
 template <int Max, typename F>
