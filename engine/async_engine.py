@@ -63,14 +63,9 @@ class AsyncEngine:
         try:
             if not self.healthy:     # it stopped while this stream was being registered: nobody may answer
                 raise EngineDeadError(f"engine is not running: {self.error or 'shut down'}")
-            while True:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    raise out
+            async for out in request_outputs(q):
                 finished = out.finished
                 yield out
-                if finished:
-                    break
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -174,6 +169,18 @@ class AsyncEngine:
         # shutting down (or stopped on a fault): fail whoever still waits
         why = self.error or "engine shut down"
         self._deliver([(rid, EngineDeadError(why)) for rid in list(self._streams)])
+
+
+async def request_outputs(q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from its queue, up to the finished one; an exception put there (the engine failed the
+    request, or stopped) is raised. Shared by the in-thread engine and the engine-core client."""
+    while True:
+        out = await q.get()
+        if isinstance(out, BaseException):
+            raise out
+        yield out
+        if out.finished:
+            return
 
 
 def _put_all(batch) -> None:

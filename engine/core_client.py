@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 import kernels
+from engine.async_engine import request_outputs
 from engine.config import EngineArgs
 from engine.core_process import decode_error, encode_params, encode_spec, run_engine_core
 from engine.errors import EngineDeadError, ModelLoadError
@@ -111,14 +112,9 @@ class EngineCoreClient:
             if not self.healthy or not self._send(["add", request_id, ids, encode_params(params), priority,
                                                    cache_salt, session_id]):
                 raise EngineDeadError(f"engine is not running: {self.error or 'shut down'}")
-            while True:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    raise out
+            async for out in request_outputs(q):
                 finished = out.finished
                 yield out
-                if finished:
-                    break
         finally:
             self._streams.pop(request_id, None)
             if not finished:
