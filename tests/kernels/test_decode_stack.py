@@ -9,8 +9,8 @@ from kernels import decode_stack
 
 def test_slots_are_named_once():
     """The op names its slots; every name is a field of the dataclasses Python fills them from."""
-    names = torch.ops.rtserve_cpu.decode_stack_slots()
     assert decode_stack.available(), "g++ and ninja are installed by `make test`; the op must build"
+    names = torch.ops.rtserve_cpu.decode_stack_slots()
     fields = set(decode_stack.DecodeLayerWeights.__dataclass_fields__)
     linear_fields = set(decode_stack.LinearWeights.__dataclass_fields__)
     assert len(names) == len(set(names))
