@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 from collections import defaultdict
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import kernels
 from engine.errors import EngineDeadError, RequestFailedError
@@ -131,19 +131,7 @@ class AsyncEngine:
 
     def _deliver(self, items: list[tuple[str, object]]) -> None:
         self._stats = self.engine.stats()           # consumers that see a finish also see its blocks freed
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        for rid, out in items:
-            stream = self._streams.get(rid)
-            if stream is not None:
-                by_loop[stream[0]].append((stream[1], out))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:                      # that event loop is closed; its requests are abandoned
-                for q, out in batch:
-                    rid = getattr(out, "request_id", None)
-                    if rid is not None:
-                        self.engine.abort_request(rid)
+        deliver(self._streams, items, self.engine.abort_request)
 
     def _run(self) -> None:
         kernels.set_thread_count(self.num_threads)  # (a Whisper or other worker thread may set a different count)
@@ -169,6 +157,24 @@ class AsyncEngine:
         # shutting down (or stopped on a fault): fail whoever still waits
         why = self.error or "engine shut down"
         self._deliver([(rid, EngineDeadError(why)) for rid in list(self._streams)])
+
+
+def deliver(streams: dict, items: list[tuple[str, object]], abort: Callable[[str], None]) -> None:
+    """Hand a step's outputs (or errors) to their streams' event loops, one wakeup per loop. A stream whose loop has
+    closed is abandoned: `abort` its request. Shared by the in-thread engine and the engine-core client."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+    for rid, out in items:
+        stream = streams.get(rid)
+        if stream is not None:
+            by_loop[stream[0]].append((stream[1], out))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:                      # that event loop is closed; its requests are abandoned
+            for q, out in batch:
+                rid = getattr(out, "request_id", None)
+                if rid is not None:
+                    abort(rid)
 
 
 async def request_outputs(q: asyncio.Queue) -> AsyncIterator[RequestOutput]:

@@ -23,7 +23,6 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections import defaultdict
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -31,7 +30,7 @@ import msgspec
 import zmq
 
 import kernels
-from engine.async_engine import request_outputs
+from engine.async_engine import deliver, request_outputs
 from engine.config import EngineArgs
 from engine.core_process import decode_error, encode_params, encode_spec, run_engine_core
 from engine.errors import EngineDeadError, ModelLoadError
@@ -323,24 +322,7 @@ class EngineCoreClient:
             loop.call_soon_threadsafe(_fail, fut, exc)
 
     def _deliver(self, items: list[tuple[str, object]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        for rid, out in items:
-            stream = self._streams.get(rid)
-            if stream is not None:
-                by_loop[stream[0]].append((stream[1], out))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:                      # that event loop is closed; its requests are abandoned
-                for q, out in batch:
-                    rid = getattr(out, "request_id", None)
-                    if rid is not None:
-                        self._send(["abort", rid])
-
-
-def _put_all(batch) -> None:
-    for q, out in batch:
-        q.put_nowait(out)
+        deliver(self._streams, items, lambda rid: self._send(["abort", rid]))
 
 
 def _resolve(fut: asyncio.Future, error) -> None:
