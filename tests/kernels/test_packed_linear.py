@@ -28,7 +28,8 @@ def _cpu_flags() -> set[str]:
         return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
 
 
-def test_packed_kernel_is_used_on_this_machine():
+def test_packed_kernel_is_used_on_this_machine(monkeypatch):
+    monkeypatch.setenv("RTSERVE_VNNI", "1")   # the integer-dot path is opt-in
     flags = _cpu_flags()    # `make test` installs the compiler the op needs
     avx512 = {"avx512f", "avx512_bf16"} <= flags
     expected = Isa.AMX if "amx_bf16" in flags else Isa.AVX512_FP16 if avx512 and "avx512_fp16" in flags else \
@@ -46,6 +47,7 @@ def test_packed_kernel_is_used_on_this_machine():
 
 def test_the_switch_turns_every_packed_kernel_off(monkeypatch):
     """`RTSERVE_PACKED_LINEAR=0` (read when asked): no packed kernel, so no packed weights and torch for every layer."""
+    monkeypatch.setenv("RTSERVE_VNNI", "1")   # (the integer-dot path is opt-in)
     monkeypatch.setenv("RTSERVE_PACKED_LINEAR", "0")
     assert kernels.packed_isa() is Isa.NONE and kernels.cpu_isa() is not Isa.NONE
     w = torch.zeros(64, 64, dtype=torch.bfloat16)
