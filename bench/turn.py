@@ -22,6 +22,7 @@ at the speculation delay.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -72,20 +73,47 @@ PAUSED = [
 INSTRUCTIONS = "You are a concise voice assistant. Answer in one short sentence."
 RATE = 16_000
 CHUNK_MS = 40
+SCORED_FROM_MS = 100  # pauses at least this long are scored (shorter ones are gaps between words)
 
 
 @dataclass(slots=True)
 class Pause:
     silence_start_ms: int
     silence_ms: float  # how long the VAD's silence lasted (the clip's next speech, or its end)
-    p_text: float | None = None
+    seen_ms: float = 0.0  # silence the VAD had counted when it first reported the pause (silero's lag shows here)
+    transcript: str = ""
+    eot_logprobs: list[float] | None = None  # the prefill's logprobs at end_of_turn_positions (punctuation.., token)
     p_audio: float | None = None
-    score_s: float = 0.0  # time to both scores, as the server overlaps them
+    whisper_s: float = 0.0
+    prefill_s: float = 0.0
+    smart_s: float = 0.0
+
+    @property
+    def scored(self) -> bool:
+        return self.p_audio is not None
+
+    @property
+    def p_text(self) -> float | None:
+        """The server's text signal: the end-of-turn token jointly with Whisper's punctuation before it."""
+        return float(np.exp(sum(self.eot_logprobs))) if self.eot_logprobs else None
+
+    @property
+    def p_token(self) -> float | None:
+        """The end-of-turn token alone (after whatever punctuation Whisper wrote)."""
+        return float(np.exp(self.eot_logprobs[-1])) if self.eot_logprobs else None
+
+    def ready_ms(self) -> float:
+        """Silence after which both scores are in, as the server runs them: the pause is reported at
+        SPECULATE_AFTER_MS (or when the VAD first saw it), then Whisper and the prefill, beside Smart Turn."""
+        from gateway.realtime.speculation import SPECULATE_AFTER_MS
+
+        return max(SPECULATE_AFTER_MS, self.seen_ms) + 1000 * max(self.whisper_s + self.prefill_s, self.smart_s)
 
 
 @dataclass(slots=True)
 class Clip:
     kind: str  # "complete" | "paused"
+    index: int  # within its set: even ones tune the rule, odd ones are held out
     text: str
     end_of_speech_ms: float  # complete: the voice's end; paused: the end of the first part
     pauses: list[Pause] = field(default_factory=list)
@@ -109,119 +137,174 @@ def synthesize(kind: str, parts: tuple[str, ...], pause_ms: int) -> tuple[np.nda
     return np.concatenate([lead, first, gap, second, tail]), 300 + off1
 
 
-def vad_pauses(audio: np.ndarray) -> list[tuple[int, int, float, np.ndarray]]:
-    """The pauses inside the first speech segment as the server's VAD sees them: (speech start, silence start,
-    silence length, the turn's audio up to the silence)."""
+def vad_pauses(audio: np.ndarray) -> list[tuple[int, float, float, np.ndarray]]:
+    """The pauses inside the first speech segment as the server's VAD sees them: (silence start, silence length,
+    silence counted when first seen, the turn's audio up to the silence)."""
     from audio.vad import StreamingVAD
+    from gateway.realtime.speculation import SPECULATE_AFTER_MS
 
     vad = StreamingVAD(silence_duration_ms=60_000)
     step = RATE * CHUNK_MS // 1000
-    found: dict[tuple[int, int], float] = {}
+    found: dict[tuple[int, int], list[float]] = {}
     for i in range(0, len(audio), step):
         vad.feed(audio[i:i + step])
         pause = vad.pause
         if pause is not None:
-            found[(pause.speech_start_ms, pause.silence_start_ms)] = pause.silence_ms
-    return [(s, e, ms, audio[int(s * RATE / 1000):int(e * RATE / 1000)]) for (s, e), ms in sorted(found.items())
-            if ms >= 60]
+            seen = found.setdefault((pause.speech_start_ms, pause.silence_start_ms), [pause.silence_ms, 0.0])
+            seen[1] = pause.silence_ms
+            if seen[0] < SPECULATE_AFTER_MS:
+                seen[0] = pause.silence_ms
+    return [(e, ms, first, audio[int(s * RATE / 1000):int(e * RATE / 1000)])
+            for (s, e), (first, ms) in sorted(found.items()) if ms >= 60]
 
 
-def score(clips: list[tuple[str, str, np.ndarray, float]]) -> list[Clip]:
+def score(clips: list[tuple[str, int, str, np.ndarray, float]]) -> list[Clip]:
     from audio import smart_turn
     from audio.whisper import get_whisper
     from engine import LLMEngine, SamplingParams
     from gateway.realtime.response import end_of_turn_positions, stop_token_ids
 
-    from gateway.realtime.turn_detection import EAGERNESS
-
-    shortest = EAGERNESS["medium"].min_silence_ms
     whisper = get_whisper()
     engine = LLMEngine(dtype="bfloat16", quantization="gguf", kv_cache_memory="128MiB")
     tok = engine.tokenizer
     stops = stop_token_ids(tok)
     out = []
-    for n, (kind, text, audio, end_ms) in enumerate(clips):
-        clip = Clip(kind, text, end_ms)
-        for _, silence_start, silence_ms, turn in vad_pauses(audio):
-            if silence_ms < shortest:  # a gap between words: no rule can end the turn there
-                clip.pauses.append(Pause(silence_start, silence_ms))
+    for kind, index, text, audio, end_ms in clips:
+        clip = Clip(kind, index, text, end_ms)
+        for silence_start, silence_ms, seen_ms, turn in vad_pauses(audio):
+            pause = Pause(silence_start, silence_ms, seen_ms)
+            clip.pauses.append(pause)
+            if silence_ms < SCORED_FROM_MS:  # a gap between words: no rule ends a turn in it
                 continue
             t0 = time.perf_counter()
-            transcript = whisper.transcribe([turn])[0].strip()
-            p_text = None
-            if transcript:
+            pause.transcript = whisper.transcribe([turn])[0].strip()
+            t1 = time.perf_counter()
+            if pause.transcript:
                 prompt = tok.apply_chat_template([{"role": "system", "content": INSTRUCTIONS},
-                                                  {"role": "user", "content": transcript}],
+                                                  {"role": "user", "content": pause.transcript}],
                                                  add_generation_prompt=True, tokenize=False)
                 ids = tok.encode(prompt, add_special_tokens=False)
                 positions = end_of_turn_positions(ids, stops, tok.decode)
+                # one salt: the instructions stay cached, as in a session, and only the turn is prefilled
                 engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0,
-                                                       prompt_logprob_positions=positions),
-                                   cache_salt=f"bench-{n}-{silence_start}")
+                                                       prompt_logprob_positions=positions), cache_salt="bench-turn")
                 while engine.has_unfinished():
                     for o in engine.step():
                         if o.prompt_logprobs:
-                            p_text = float(np.exp(sum(o.prompt_logprobs[i] for i in positions)))
-            t_text = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            p_audio = smart_turn.score(turn)
-            t_audio = time.perf_counter() - t1
-            clip.pauses.append(Pause(silence_start, silence_ms, p_text, p_audio, max(t_text, t_audio)))
+                            pause.eot_logprobs = [float(o.prompt_logprobs[i]) for i in positions]
+            t2 = time.perf_counter()
+            pause.p_audio = smart_turn.score(turn)
+            pause.whisper_s, pause.prefill_s, pause.smart_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         out.append(clip)
         print(f"  {kind:8} {text[:60]!r:64} " + "  ".join(
             f"@{p.silence_start_ms} {p.silence_ms:.0f}ms text {p.p_text if p.p_text is not None else float('nan'):.2f}"
-            f" audio {p.p_audio:.2f}" for p in clip.pauses if p.p_audio is not None), flush=True)
+            f" audio {p.p_audio:.2f}" for p in clip.pauses if p.scored), flush=True)
     return out
 
 
-def decide(clip: Clip, rule: str) -> tuple[int, str, float]:
-    """Where `rule` ends the clip's turn: (index of the pause, "early" at its shortest silence or "window", delay ms
-    from the end of speech). The clips end in 1.5 s of silence, so every rule ends the last pause at the latest."""
-    from gateway.realtime.speculation import SPECULATE_AFTER_MS
-    from gateway.realtime.turn_detection import EAGERNESS, combine
+RULES = ("fixed 500 ms", "end-of-turn token alone", "text alone", "Smart Turn alone", "combined")
 
-    policy = EAGERNESS["medium"]
-    window = 500 if rule == "fixed 500 ms" else 800
+
+def probability(p: Pause, rule: str) -> float:
+    from gateway.realtime.turn_detection import combine
+
+    return {"end-of-turn token alone": p.p_token or 0.0, "text alone": p.p_text or 0.0,
+            "Smart Turn alone": p.p_audio or 0.0, "combined": combine(p.p_text, p.p_audio)}[rule]
+
+
+def decide(clip: Clip, rule: str, policy=None, window_ms: int | None = None) -> tuple[int, str, float]:
+    """Where `rule` ends the clip's turn: (index of the pause, "early" or "window", delay ms from the end of speech).
+    The clips end in 1.5 s of silence, so every rule ends the last pause at the latest. A pause ends early at the
+    first silence, once both scores are in, at which the rule's probability clears the policy's threshold for that
+    silence (`turn_detection.early_end_ms`, re-checked as the silence grows)."""
+    from audio.vad import SEMANTIC_EAGERNESS_MS
+    from gateway.realtime.turn_detection import EAGERNESS, early_end_ms
+
+    policy = policy or EAGERNESS["medium"]
+    window = 500 if rule == "fixed 500 ms" else window_ms or SEMANTIC_EAGERNESS_MS["medium"]
     for i, p in enumerate(clip.pauses):
-        if rule != "fixed 500 ms" and p.silence_ms >= policy.min_silence_ms:
-            prob = {"text": p.p_text or 0.0, "audio": p.p_audio or 0.0,
-                    "combined": combine(p.p_text, p.p_audio)}[rule]
-            at = p.silence_start_ms + max(policy.min_silence_ms, SPECULATE_AFTER_MS + 1000 * p.score_s)
-            if prob >= policy.threshold and at < p.silence_start_ms + p.silence_ms:
-                return i, "early", at - clip.end_of_speech_ms
+        if rule != "fixed 500 ms" and p.scored:
+            at = early_end_ms(probability(p, rule), policy, window)
+            if at is not None:
+                at = max(at, p.ready_ms())
+                if at < min(p.silence_ms, window):
+                    return i, "early", p.silence_start_ms + at - clip.end_of_speech_ms
         if p.silence_ms >= window or i == len(clip.pauses) - 1:
             return i, "window", p.silence_start_ms + window - clip.end_of_speech_ms
     return -1, "none", 0.0
 
 
+def table(clips: list[Clip], policy=None, window_ms: int | None = None) -> list[str]:
+    lines = ["| rule | early ends, complete | false ends, paused | detection delay p50, complete |", "|---|---|---|---|"]
+    for rule in RULES:
+        comp = [(c, decide(c, rule, policy, window_ms)) for c in clips if c.kind == "complete" and c.pauses]
+        paus = [(c, decide(c, rule, policy, window_ms)) for c in clips if c.kind == "paused" and c.pauses]
+        early = sum(i == len(c.pauses) - 1 and k == "early" for c, (i, k, _) in comp) / max(1, len(comp))
+        cut = sum(i < len(c.pauses) - 1 for c, (i, _, _) in comp)  # ended at a gap between words
+        false = sum(i < len(c.pauses) - 1 for c, (i, _, _) in paus) / max(1, len(paus))
+        delays = [d for c, (i, _, d) in comp if i == len(c.pauses) - 1]
+        lines.append(f"| {rule} | {100 * early:.0f} %" + (f" ({cut} cut between words)" if cut else "") +
+                     f" | {100 * false:.0f} % | {statistics.median(delays) if delays else float('nan'):.0f} ms |")
+    return lines
+
+
+def timings(clips: list[Clip]) -> str:
+    """Where the time between the silence's start and the decision goes, medians over the scored final pauses of
+    the complete set."""
+    last = [c.pauses[-1] for c in clips if c.kind == "complete" and c.pauses and c.pauses[-1].scored]
+    med = lambda f: statistics.median(f(p) for p in last) if last else float("nan")  # noqa: E731
+    return (f"median over {len(last)} complete turns: VAD saw the silence at {med(lambda p: p.seen_ms):.0f} ms, "
+            f"Whisper {1000 * med(lambda p: p.whisper_s):.0f} ms, prefill {1000 * med(lambda p: p.prefill_s):.0f} ms, "
+            f"Smart Turn {1000 * med(lambda p: p.smart_s):.0f} ms, both scores in at "
+            f"{med(lambda p: p.ready_ms()):.0f} ms of silence")
+
+
+def report(clips: list[Clip]) -> None:
+    for name, part in (("all", clips), ("even ids (tuning half)", [c for c in clips if c.index % 2 == 0]),
+                       ("odd ids (held out)", [c for c in clips if c.index % 2 == 1])):
+        print(f"\n{name}: {sum(c.kind == 'complete' for c in part)} complete, "
+              f"{sum(c.kind == 'paused' for c in part)} paused")
+        print("\n".join(table(part)), flush=True)
+    print("\n" + timings(clips), flush=True)
+
+
+def save(clips: list[Clip], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([{**{k: getattr(c, k) for k in ("kind", "index", "text", "end_of_speech_ms")},
+                    "pauses": [{k: getattr(p, k) for k in Pause.__slots__} for p in c.pauses]} for c in clips], f,
+                  indent=1)
+
+
+def load(path: str) -> list[Clip]:
+    with open(path) as f:
+        return [Clip(**{**c, "pauses": [Pause(**p) for p in c["pauses"]]}) for c in json.load(f)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rtserve bench turn", description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=int, default=0, help="only the first N utterances of each set (0: all)")
+    ap.add_argument("--dump", metavar="FILE", help="write every pause's scores and timings to FILE (JSON)")
+    ap.add_argument("--scores", metavar="FILE", help="report from scores dumped earlier instead of running the models")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.scores:
+        report(load(args.scores))
+        return 0
     complete = COMPLETE[:args.limit or None]
     paused = PAUSED[:args.limit or None]
     print(f"rtserve bench turn: {len(complete)} complete, {len(paused)} paused (300-700 ms), piper joe-us, "
           f"{os.cpu_count()} CPUs", flush=True)
     clips = []
-    for text in complete:
+    for i, text in enumerate(complete):
         audio, end = synthesize("complete", (text,), 0)
-        clips.append(("complete", text, audio, end))
+        clips.append(("complete", i, text, audio, end))
     for i, (head, rest) in enumerate(paused):
         pause_ms = 300 + (i * 400 // max(1, len(paused) - 1))
         audio, end = synthesize("paused", (head, rest), pause_ms)
-        clips.append(("paused", f"{head} [{pause_ms} ms] {rest}", audio, end))
+        clips.append(("paused", i, f"{head} [{pause_ms} ms] {rest}", audio, end))
     scored = score(clips)
-    print("| rule | early ends, complete | false ends, paused | detection delay p50, complete |")
-    print("|---|---|---|---|")
-    for rule in ("fixed 500 ms", "text", "audio", "combined"):
-        comp = [(c, decide(c, rule)) for c in scored if c.kind == "complete" and c.pauses]
-        paus = [(c, decide(c, rule)) for c in scored if c.kind == "paused" and c.pauses]
-        early = sum(i == len(c.pauses) - 1 and k == "early" for c, (i, k, _) in comp) / max(1, len(comp))
-        cut = sum(i < len(c.pauses) - 1 for c, (i, _, _) in comp)  # ended at a gap between words
-        false = sum(i < len(c.pauses) - 1 for c, (i, _, _) in paus) / max(1, len(paus))
-        delays = [d for c, (i, _, d) in comp if i == len(c.pauses) - 1]
-        print(f"| {rule} | {100 * early:.0f} % ({cut} cut between words) | {100 * false:.0f} % | "
-              f"{statistics.median(delays):.0f} ms |", flush=True)
+    if args.dump:
+        save(scored, args.dump)
+    report(scored)
     return 0
 
 

@@ -4,7 +4,8 @@
 
 Starts `rtserve serve` as a subprocess (or measures `--url` as is). Each session streams real speech (piper, a
 different question per session) in real time in `--chunk-ms` appends with server VAD (silence window 500 ms;
-`--turn-detection semantic_vad`: the semantic end of turn, eagerness auto), and keeps streaming silence like an open microphone until the reply is done; `--turns` turns per session. Each session count runs
+`--turn-detection semantic_vad`: the semantic end of turn, eagerness auto; `server_vad,semantic_vad`: both,
+interleaved run by run), and keeps streaming silence like an open microphone until the reply is done; `--turns` turns per session. Each session count runs
 once per `--spread-ms` value: 0 = all sessions start at the same moment (their turns end within a few ms of each
 other), S > 0 = session i starts i·S/N ms later (turns ending spread over S ms, like independent users).
 Measured by the client, per turn, from the end of speech — the moment the append holding the last voiced sample
@@ -194,8 +195,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="comma-separated: session i starts i*S/N ms after the first (0: all at once); "
                          "one run per value for each session count above 1")
     ap.add_argument("--max-output-tokens", type=int, default=24)
-    ap.add_argument("--turn-detection", default="server_vad", choices=("server_vad", "semantic_vad"),
-                    help="server_vad: 500 ms window; semantic_vad (eagerness auto): early ends of turn")
+    ap.add_argument("--turn-detection", default="server_vad",
+                    help="server_vad (500 ms window), semantic_vad (eagerness auto: early ends of turn), or both "
+                         "comma-separated: each run of sessions is repeated per mode, interleaved")
     ap.add_argument("--url", default=None, help="measure a running server (ws://host:port/v1/realtime) as it is")
     ap.add_argument("--server-args", default="", help="extra `rtserve serve` flags for the started server")
     ap.add_argument("--no-rtf", action="store_true", help="skip the in-process encoder RTF measurement")
@@ -206,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     counts = [int(x) for x in args.sessions.split(",") if x]
     spreads = [int(x) for x in args.spread_ms.split(",") if x]
+    modes = [x for x in args.turn_detection.split(",") if x]
+    bad = [m for m in modes if m not in ("server_vad", "semantic_vad")]
+    if bad or not modes:
+        raise SystemExit(f"--turn-detection: server_vad and/or semantic_vad, not {args.turn_detection!r}")
     print(f"rtserve bench voice: sessions {counts}, {args.turns} turns, {args.chunk_ms} ms appends in real time, "
           f"{args.turn_detection}, {args.max_output_tokens} output tokens, start spread {spreads} ms, "
           f"{os.cpu_count()} CPUs", flush=True)
@@ -218,20 +224,21 @@ def main(argv: list[str] | None = None) -> int:
         proc = start_server(port, True, args.server_args.split())
         url = f"ws://127.0.0.1:{port}/v1/realtime"
     try:
-        asyncio.run(run_session(url, 0, clips, 1, args.chunk_ms, args.max_output_tokens,
-                                turn_detection=args.turn_detection))  # warm-up
+        for mode in modes:  # warm-up
+            asyncio.run(run_session(url, 0, clips, 1, args.chunk_ms, args.max_output_tokens, turn_detection=mode))
         for n in counts:
             for spread in (spreads if n > 1 else [0]):
-                progress = report.Progress(f"{n} sessions, spread {spread} ms", total=n * args.turns)
+                for mode in modes:  # interleaved: each mode runs right after the other, on the same machine load
+                    progress = report.Progress(f"{n} sessions, spread {spread} ms, {mode}", total=n * args.turns)
 
-                async def load():
-                    return await asyncio.gather(*(run_session(url, i, clips, args.turns, args.chunk_ms,
-                                                              args.max_output_tokens, i * spread / 1000 / n, progress,
-                                                              args.turn_detection)
-                                                  for i in range(n)))
-                turns = [t for r in asyncio.run(load()) for t in r]
-                progress.close("turns done")
-                runs.append({"sessions": n, "spread_ms": spread, "turns": turns})
+                    async def load():
+                        return await asyncio.gather(*(run_session(url, i, clips, args.turns, args.chunk_ms,
+                                                                  args.max_output_tokens, i * spread / 1000 / n,
+                                                                  progress, mode)
+                                                      for i in range(n)))
+                    turns = [t for r in asyncio.run(load()) for t in r]
+                    progress.close("turns done")
+                    runs.append({"sessions": n, "spread_ms": spread, "turn_detection": mode, "turns": turns})
         print_runs(runs)
         counters = server_batches(url)
         print(f"server Whisper encoder batches (size×count): {counters}", flush=True)
@@ -251,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         report.write_json(args.output, args, {"runs": runs, "server_counters": counters, "encoder_rtf": rtf})
     path = report.plot_path(args)
     if path:
-        label = lambda r: f"{r['sessions']} sessions, spread {r['spread_ms']} ms"   # noqa: E731
+        label = lambda r: f"{r['sessions']} sessions, spread {r['spread_ms']} ms, {r['turn_detection']}"  # noqa: E731
         report.save_plot(path, [
             report.Panel("end of speech → first audio", "cdf",
                          {label(r): [1000 * t["audio"] for t in r["turns"] if "audio" in t] for r in runs}, "ms"),
@@ -268,13 +275,15 @@ def print_runs(runs: list[dict]) -> None:
     def p(r: dict, key: str, q: float) -> float:
         return 1000 * pct([t[key] for t in r["turns"] if key in t], q)
 
-    cols = [report.Column("sessions"), report.Column("start spread", "ms", 0), report.Column("turns"),
+    cols = [report.Column("sessions"), report.Column("start spread", "ms", 0), report.Column("turn detection"),
+            report.Column("turns"),
             report.Column("speech_stopped p50", "ms", 0), report.Column("transcript p50", "ms", 0),
             report.Column("transcript p95", "ms", 0), report.Column("first text p50", "ms", 0),
             report.Column("first text p95", "ms", 0), report.Column("first audio p50", "ms", 0),
             report.Column("first audio p95", "ms", 0), report.Column("first audio − speech_stopped p50", "ms", 0),
             report.Column("playback gap p95", "ms", 0), report.Column("playback gap max", "ms", 0)]
-    report.print_table(cols, [[r["sessions"], float(r["spread_ms"]), len(r["turns"]), p(r, "stopped", 50),
+    report.print_table(cols, [[r["sessions"], float(r["spread_ms"]), r["turn_detection"], len(r["turns"]),
+                               p(r, "stopped", 50),
                                p(r, "transcript", 50), p(r, "transcript", 95), p(r, "text", 50), p(r, "text", 95),
                                p(r, "audio", 50), p(r, "audio", 95), p(r, "after_stopped", 50), p(r, "gap", 95),
                                p(r, "gap", 100)] for r in runs])

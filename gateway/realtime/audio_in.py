@@ -39,6 +39,7 @@ MAX_PENDING_CHARS = 48 * 1024 * 1024  # base64 audio queued per session (three m
 # A pause is reported only when the silence window goes on at least this long after it: with a shorter window the
 # turn's end follows too soon for work started in the pause to come out ahead.
 PAUSE_MARGIN_MS = 100
+RECHECK_MS = 40  # a held pause is reported again each time its silence has grown by this much
 
 Span = tuple[int, int]  # ms on the input timeline
 
@@ -56,8 +57,9 @@ class TurnEvents(Protocol):
     def resumed(self) -> None:
         """The voice came back after a reported pause: the turn goes on."""
 
-    def pause_held(self, span: Span) -> None:
-        """The reported pause has lasted the early-end policy's shortest silence (`turn_detection.Eagerness`)."""
+    def pause_held(self, span: Span, silence_ms: float, window_ms: int) -> None:
+        """The reported pause has lasted `silence_ms`, at least the early-end policy's shortest silence
+        (`turn_detection.Eagerness`), of the VAD's `window_ms`; reported again as it grows."""
 
     def speech_stopped(self, span: Span, early: bool) -> asyncio.Task | None:
         """The turn ended on `span` (speech_stopped is sent, its commit follows), `early` when the end-of-turn check
@@ -126,7 +128,9 @@ class AudioInput:
         self._nested: list = []
         self._pending_chars = 0  # base64 audio queued, not yet decoded
         self._reported_pause: Span | None = None  # (worker thread) the pause last reported, while it lasts
-        self._held_pause: Span | None = None  # (worker thread) ... and reported again at the policy's shortest silence
+        # (worker thread) the pause and its silence when last reported as held: first at the policy's shortest
+        # silence, then again every RECHECK_MS while it lasts (the end-of-turn threshold falls as it grows)
+        self._held_pause: tuple[Span, float] | None = None
         self.policy = turn_detection.policy(self.turn)  # early ends (None: the VAD's window only)
         self._early: EarlyEnd | None = None  # the last turn, if it ended early and may still be repaired
         self.joining: EarlyEnd | None = None  # a repaired turn, which the speech now going on continues
@@ -226,7 +230,7 @@ class AudioInput:
                     seg = np.concatenate([self.joining.audio_16k, seg])
                 self.events.paused(value, seg)
             elif kind == "pause_held":
-                self.events.pause_held(value)
+                self.events.pause_held(*value)
             elif kind == "resumed":
                 self.events.resumed()
 
@@ -270,9 +274,11 @@ class AudioInput:
         span = (pause.speech_start_ms, pause.silence_start_ms)
         policy = self.policy
         if span == self._reported_pause:
-            if policy is not None and span != self._held_pause and pause.silence_ms >= policy.min_silence_ms:
-                self._held_pause = span
-                return [("pause_held", span, None)]
+            if policy is not None and pause.silence_ms >= policy.min_silence_ms and (
+                    self._held_pause is None or self._held_pause[0] != span or
+                    pause.silence_ms >= self._held_pause[1] + RECHECK_MS):
+                self._held_pause = (span, pause.silence_ms)
+                return [("pause_held", (span, pause.silence_ms, vad.silence_duration_ms), None)]
             return []
         self._reported_pause = span
         held = self.buf.audio()

@@ -395,8 +395,8 @@ class RealtimeSession:
         self.speculation.start(span, audio_16k)
         self.turn_detector.start(span, audio_16k, self.audio_in.policy)
 
-    def pause_held(self, span: Span) -> None:
-        self.turn_detector.silence_reached(span)
+    def pause_held(self, span: Span, silence_ms: float, window_ms: int) -> None:
+        self.turn_detector.silence_reached(span, silence_ms, window_ms)
 
     def resumed(self) -> None:
         self.speculation.drop()

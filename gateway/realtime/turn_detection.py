@@ -38,15 +38,24 @@ Span = tuple[int, int]  # (speech start, silence start): ms on the input timelin
 
 @dataclass(slots=True, frozen=True)
 class Eagerness:
-    """How soon a turn may end early: after `min_silence_ms` of silence, when `combine` reaches `threshold`. The
-    VAD's window (semantic_vad: `audio.vad.SEMANTIC_EAGERNESS_MS`; server_vad: its `silence_duration_ms`) is the
-    longest wait."""
+    """How soon a turn may end early. From `min_silence_ms` of silence on, a pause ends the turn when `combine`
+    reaches the threshold, which falls as the silence grows: `threshold` at the shortest silence, linearly down to
+    `floor` at the VAD's window (semantic_vad: `audio.vad.SEMANTIC_EAGERNESS_MS`; server_vad: its
+    `silence_duration_ms`), where the turn ends whatever the scores say. A sure turn end is taken at once; a
+    doubtful one only after a longer silence has made it likelier."""
     min_silence_ms: int
     threshold: float
+    floor: float
+
+    def threshold_at(self, silence_ms: float, window_ms: int) -> float:
+        """The threshold after `silence_ms` of silence (the VAD's window being `window_ms`)."""
+        span = max(1.0, window_ms - self.min_silence_ms)
+        frac = min(1.0, max(0.0, (silence_ms - self.min_silence_ms) / span))
+        return self.threshold + (self.floor - self.threshold) * frac
 
 
-EAGERNESS = {"high": Eagerness(150, 0.35), "medium": Eagerness(200, 0.5), "auto": Eagerness(200, 0.5),
-             "low": Eagerness(250, 0.7)}
+EAGERNESS = {"high": Eagerness(150, 0.35, 0.35), "medium": Eagerness(200, 0.5, 0.5), "auto": Eagerness(200, 0.5, 0.5),
+             "low": Eagerness(250, 0.7, 0.7)}
 TEXT_WEIGHT = 0.8  # the engine's signal's share of the combined probability; Smart Turn has the rest
 TEXT_VETO = 0.1  # below this P(end of turn | transcript) no early end, whatever the audio says
 REPAIR_GRACE_MS = 1000  # speech resuming this soon after an early end's segment end continues the same turn
@@ -73,6 +82,19 @@ def combine(p_text: float | None, p_audio: float | None) -> float:
     return TEXT_WEIGHT * p_text + (1.0 - TEXT_WEIGHT) * p_audio
 
 
+def early_end_ms(p: float, policy: Eagerness, window_ms: int) -> float | None:
+    """The shortest silence (ms) after which a pause whose combined probability is `p` ends the turn early (the
+    falling threshold reaches `p`); None: not before the window."""
+    if p >= policy.threshold:
+        at = float(policy.min_silence_ms)
+    elif p >= policy.floor and policy.threshold > policy.floor:
+        at = policy.min_silence_ms + (policy.threshold - p) / (policy.threshold - policy.floor) * \
+            max(1, window_ms - policy.min_silence_ms)
+    else:
+        return None
+    return at if at < window_ms else None
+
+
 @dataclass(slots=True)
 class Verdict:
     span: Span
@@ -80,15 +102,17 @@ class Verdict:
     p_audio: float | None = None
     text_done: bool = False
     audio_done: bool = False
-    silence_reached: bool = False
-    decided: bool = False
+    silence_ms: float = 0.0  # the pause's silence so far, once it has lasted the policy's shortest silence
+    window_ms: int = 0  # the VAD's silence window, where the turn ends anyway
+    checked: bool = False  # scored against the threshold at least once (counted once per pause)
+    decided: bool = False  # ended the turn
 
 
 class TurnDetector:
     """One session's end-of-turn checks. `start` at a pause (with the turn's audio so far), `text_scored` when the
     pause's prefill returns its end-of-turn logprob, `silence_reached` when the pause lasts the policy's shortest
-    silence; once all three are in, `end_turn(span)` is called if the combination clears the threshold. `drop` when
-    the user goes on."""
+    silence and again as it grows; once all three are in, `end_turn(span)` is called as soon as the combination
+    clears the threshold for the silence so far. `drop` when the user goes on."""
 
     def __init__(self, stage: AudioStage, end_turn: Callable[[Span], None], name: str, metrics: Metrics) -> None:
         self.stage, self._end_turn, self.name, self.metrics = stage, end_turn, name, metrics
@@ -123,23 +147,29 @@ class TurnDetector:
         verdict.text_done = True
         self._decide(verdict)
 
-    def silence_reached(self, span: Span) -> None:
+    def silence_reached(self, span: Span, silence_ms: float, window_ms: int) -> None:
+        """The pause at `span` has lasted `silence_ms` (at least the policy's shortest silence) of the VAD's
+        `window_ms`; called again as it grows, each time a re-check against the lower threshold."""
         verdict = self._verdict
         if verdict is None or verdict.span != span:
             return
-        verdict.silence_reached = True
+        verdict.silence_ms, verdict.window_ms = silence_ms, window_ms
         self._decide(verdict)
 
     def _decide(self, verdict: Verdict) -> None:
         if verdict is not self._verdict or verdict.decided or not (
-                verdict.text_done and verdict.audio_done and verdict.silence_reached):
+                verdict.text_done and verdict.audio_done and verdict.silence_ms > 0):
             return
-        verdict.decided = True
         p = combine(verdict.p_text, verdict.p_audio)
-        end = p >= self.policy.threshold
-        self.metrics.turn_checks.inc()
-        trace(self.name, "end of turn check", (verdict.span, verdict.p_text, verdict.p_audio, p, end))
+        at = early_end_ms(p, self.policy, verdict.window_ms)
+        end = at is not None and verdict.silence_ms >= at
+        if not verdict.checked:
+            verdict.checked = True
+            self.metrics.turn_checks.inc()
+        trace(self.name, "end of turn check",
+              (verdict.span, verdict.silence_ms, verdict.p_text, verdict.p_audio, p, end))
         if end:
+            verdict.decided = True
             self._end_turn(verdict.span)
 
     def drop(self) -> None:

@@ -1,0 +1,52 @@
+"""The end-of-turn rule itself (gateway/realtime/turn_detection.py), without models: the threshold falls as the
+silence grows, so a sure end is taken at the shortest silence and a doubtful one later; the text signal vetoes."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.realtime.turn_detection import EAGERNESS, TEXT_VETO, Eagerness, combine, early_end_ms
+
+WINDOW = 800
+
+
+def test_the_threshold_falls_from_the_shortest_silence_to_the_window():
+    policy = Eagerness(200, 0.6, 0.2)
+    assert policy.threshold_at(0, WINDOW) == pytest.approx(0.6)  # before the shortest silence: no lower
+    assert policy.threshold_at(200, WINDOW) == pytest.approx(0.6)
+    assert policy.threshold_at(500, WINDOW) == pytest.approx(0.4)
+    assert policy.threshold_at(800, WINDOW) == pytest.approx(0.2)
+    assert policy.threshold_at(2000, WINDOW) == pytest.approx(0.2)
+
+
+def test_a_sure_end_at_the_shortest_silence_a_doubtful_one_later_an_unlikely_one_never():
+    policy = Eagerness(200, 0.6, 0.2)
+    assert early_end_ms(0.9, policy, WINDOW) == 200
+    assert early_end_ms(0.6, policy, WINDOW) == 200
+    assert early_end_ms(0.4, policy, WINDOW) == pytest.approx(500)
+    assert early_end_ms(0.19, policy, WINDOW) is None
+    # the later the end, the lower the probability it needs (re-checks as the silence grows)
+    times = [early_end_ms(p / 100, policy, WINDOW) for p in range(21, 61)]
+    assert times == sorted(times, reverse=True)
+    # the probability that ends a pause after s ms is the threshold at s
+    for p in (0.25, 0.35, 0.5):
+        assert policy.threshold_at(early_end_ms(p, policy, WINDOW), WINDOW) == pytest.approx(p)
+
+
+def test_no_early_end_past_the_window_or_with_a_window_shorter_than_the_shortest_silence():
+    policy = Eagerness(200, 0.6, 0.2)
+    assert early_end_ms(0.9, policy, 150) is None  # the VAD's window ends the turn first
+    flat = Eagerness(200, 0.5, 0.5)  # no fall: one check only
+    assert early_end_ms(0.5, flat, WINDOW) == 200 and early_end_ms(0.49, flat, WINDOW) is None
+
+
+def test_the_text_signal_leads_and_vetoes():
+    assert combine(None, 0.99) == 0.0  # no transcript: audio alone ends nothing
+    assert combine(TEXT_VETO / 2, 0.99) == 0.0
+    assert combine(0.9, None) == 0.9
+    assert combine(0.9, 0.1) < 0.9 < combine(0.9, 1.0) or combine(0.9, 0.1) == combine(0.9, 1.0) == 0.9
+
+
+@pytest.mark.parametrize("eagerness", sorted(EAGERNESS))
+def test_every_eagerness_is_a_falling_threshold_inside_the_unit_interval(eagerness):
+    policy = EAGERNESS[eagerness]
+    assert 0.0 <= policy.floor <= policy.threshold <= 1.0 and policy.min_silence_ms > 0
