@@ -1,23 +1,25 @@
 """End-of-turn benchmark: how often each rule ends a turn early on complete utterances, how often it ends one falsely
 on utterances paused at an incomplete point, and how soon after the end of speech it decides.
 
-    rtserve bench turn [--limit N]
+    rtserve bench turn [--limit N] [--dump FILE]     (runs the models)
+    rtserve bench turn --scores FILE                 (replays a dump under the rule as the code has it now)
 
 Two sets, synthesized now with piper (joe-us, its own noise on every clip; nothing recorded): COMPLETE questions and
 statements, and PAUSED utterances cut at an incomplete point ("of", "and", "the", "um", mid-clause) by a 300-700 ms
 pause, then continued. Each clip runs through the server's own pieces, in process: the silero VAD (`StreamingVAD`,
-its pauses as `AudioInput` reports them), Whisper on the turn so far, the engine's prefill of the reply prompt with
-the end-of-turn token scored (`prompt_logprob_positions`, the chat template, the voice session's instructions), and
-Smart Turn on the audio. Rules, at eagerness medium (turn_detection.EAGERNESS):
+its pauses as `AudioInput` reports them), and at each pause of SCORED_FROM_MS or more, Whisper on the turn so far, the
+engine's prefill of the reply prompt with the end-of-turn positions scored (`prompt_logprob_positions`, the chat
+template, the voice session's instructions), and Smart Turn on the audio; each timed. Rules, at eagerness medium
+(turn_detection.EAGERNESS, its falling threshold):
 - fixed 500 ms: server_vad's window, no early end;
-- text, audio: one signal alone against the threshold;
+- end-of-turn token alone, text alone (the token jointly with Whisper's punctuation before it), Smart Turn alone;
 - combined: `turn_detection.combine`, the server's rule.
-A rule ends a turn at a pause when the pause lasts the shortest silence and the rule clears the threshold, or when it
-lasts the window (800 ms for semantic_vad medium). Reported per set: early ends on COMPLETE (the turn ended at the
-shortest silence, before the window), false ends on PAUSED (the turn ended inside its pause), and the median
-detection delay on COMPLETE from the end of speech (−40 dB) to the decision: the pause's silence start plus the
-larger of the shortest silence and the scoring time measured here (Whisper + prefill, beside Smart Turn), started
-at the speculation delay.
+A rule ends a turn at a pause at the first silence at which both scores are in (`Pause.ready_ms`: the VAD's report,
+then Whisper + prefill, beside Smart Turn) and its probability clears the threshold for that silence
+(`turn_detection.early_end_ms`), or when the pause lasts the window (800 ms for semantic_vad medium). Reported for
+all clips, the tuning half (even ids) and the held-out half (odd ids): early ends on COMPLETE (the turn ended before
+the window), false ends on PAUSED (the turn ended inside its pause), and the median detection delay on COMPLETE from
+the end of speech (−40 dB) to the decision; then where the time to the scores goes.
 """
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ At a pause of `Eagerness.min_silence_ms` inside a turn, two signals score the tu
   (`SamplingParams.prompt_logprob_positions`);
 - Smart Turn v3.2 (audio/smart_turn.py), P(complete) from the prosody of the last 8 s of audio.
 
-`combine` turns them into one probability; at or above the eagerness's threshold the turn ends there (an early end),
-otherwise it ends when the VAD's window runs out, as before. Why this rule (docs/gateway.md, "Semantic end of turn"):
+`combine` turns them into one probability. The eagerness's threshold falls as the pause's silence grows (re-checked
+as it does): once the probability clears it, the turn ends there (an early end); otherwise it ends when the VAD's
+window runs out, as before. Why this rule (docs/gateway.md, "Semantic end of turn"):
 the text signal knows that "What is the capital of" is unfinished whatever the voice does, while Smart Turn hears
 falling pitch, which synthetic voices put at the end of every phrase; so the text signal leads and can veto, and the
 audio signal only moves a borderline text score.
