@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             proc = start_server(port, cache, args.server_args.split() + mode_args)
             url = f"ws://127.0.0.1:{port}/v1/realtime"
         try:
-            asyncio.run(run_load(url, 1, argparse.Namespace(**{**vars(args), "turns": 1})))  # warm-up
+            # warm-up, on a system prompt of its own: it must not put the measured sessions' prompts in the cache
+            asyncio.run(run_session(url, -1, 1, args.max_output_tokens, args.system_tokens))
             for n in counts:
                 for background in (0, args.background_http) if args.background_http else (0,):
                     label = f"{mode}+http" if background else mode
