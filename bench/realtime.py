@@ -154,7 +154,7 @@ async def background_http(url: str, clients: int, prompt_tokens: int) -> None:
 
 
 async def run_load(url: str, sessions: int, args, progress: report.Progress | None = None,
-                   background: int = 0) -> list[list[Turn]]:
+                   background: int = 0, first_session: int = 0) -> list[list[Turn]]:
     bg = asyncio.ensure_future(background_http(url, background, args.background_prompt_tokens)) \
         if background else None
     try:
@@ -163,7 +163,8 @@ async def run_load(url: str, sessions: int, args, progress: report.Progress | No
             if bg.done():
                 bg.result()
         return await asyncio.gather(*(run_session(url, i, args.turns, args.max_output_tokens, args.system_tokens,
-                                                  progress, args.shared_system_prompt) for i in range(sessions)))
+                                                  progress, args.shared_system_prompt)
+                                     for i in range(first_session, first_session + sessions)))
     finally:
         if bg is not None:
             bg.cancel()
@@ -297,12 +298,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # warm-up, on a system prompt of its own: it must not put the measured sessions' prompts in the cache
             asyncio.run(run_session(url, -1, 1, args.max_output_tokens, args.system_tokens))
+            # each load's sessions have system prompts of their own (numbers no earlier load used, a multiple of
+            # the question count apart so they ask the same questions): no load starts on another's cached prompts
+            loads = itertools.count(0, 6000)
             for n in counts:
                 for background in (0, args.background_http) if args.background_http else (0,):
                     label = f"{mode}+http" if background else mode
                     progress = report.Progress(f"{label}, {n} sessions", total=n * args.turns)
                     start = time.perf_counter()
-                    results = asyncio.run(run_load(url, n, args, progress, background))
+                    results = asyncio.run(run_load(url, n, args, progress, background, next(loads)))
                     summaries[(label, n)] = summarize(label, n, results, time.perf_counter() - start, args.turns)
                     progress.close(f"turns done, {summaries[(label, n)]['output_tok_s']:.1f} output tok/s")
         finally:
