@@ -19,6 +19,13 @@ HTTP clients sending ~`--background-prompt-tokens`-token `/v1/completions` promp
 cannot shorten them) in a loop for the whole load; the last lines compare the Realtime TTFT of the two.
 `--shared-system-prompt` gives every session the same system prompt (as one voice app's users share one), so turn 1
 shows identical prefixes in flight being computed once.
+
+    rtserve bench realtime --sessions 32 --turns 4 --modes legacy,cache --rounds 2 --shared-system-prompt
+
+measures the latency scheduling (issue 21) against the settings before it in one run: mode `legacy` is the prefix
+cache with `LEGACY_FLAGS` (no inter-token gap target, no per-request prefill cap, identical prefixes in flight
+computed by each request), `cache` the server's defaults; `--rounds 2` runs the modes A, B, A, B so that noise from a
+shared machine falls on both. The last lines compare each round's turn-1 TTFT, gap p95 and throughput.
 """
 from __future__ import annotations
 
@@ -47,6 +54,9 @@ SYSTEM_SENTENCES = ["You are a helpful, careful and friendly assistant for a tra
                     "Prefer concrete examples, dates and numbers over vague statements.",
                     "When the user asks about travel, mention the best season to visit.",
                     "Be polite, and do not use emojis or markdown formatting in answers."]
+
+
+LEGACY_FLAGS = ["--max-itl-ms", "0", "--long-prefill-token-threshold", "0", "--no-share-inflight-prefixes"]
 
 
 def system_prompt(session: int, approx_tokens: int, shared: bool = False) -> str:
@@ -144,7 +154,7 @@ async def background_http(url: str, clients: int, prompt_tokens: int) -> None:
 
 
 async def run_load(url: str, sessions: int, args, progress: report.Progress | None = None,
-                   background: int = 0) -> list[list[Turn]]:
+                   background: int = 0, first_session: int = 0) -> list[list[Turn]]:
     bg = asyncio.ensure_future(background_http(url, background, args.background_prompt_tokens)) \
         if background else None
     try:
@@ -153,7 +163,8 @@ async def run_load(url: str, sessions: int, args, progress: report.Progress | No
             if bg.done():
                 bg.result()
         return await asyncio.gather(*(run_session(url, i, args.turns, args.max_output_tokens, args.system_tokens,
-                                                  progress, args.shared_system_prompt) for i in range(sessions)))
+                                                  progress, args.shared_system_prompt)
+                                     for i in range(first_session, first_session + sessions)))
     finally:
         if bg is not None:
             bg.cancel()
@@ -240,7 +251,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-output-tokens", type=int, default=32)
     ap.add_argument("--system-tokens", type=int, default=500, help="approximate system prompt length")
     ap.add_argument("--url", default=None, help="measure a running server (ws://host:port/v1/realtime) as it is")
-    ap.add_argument("--modes", default="cache,nocache", help="which server variants to start: cache,nocache")
+    ap.add_argument("--modes", default="cache,nocache",
+                    help="which server variants to start: cache (defaults), nocache (--no-prefix-caching), legacy "
+                         "(the prefix cache with the scheduling before issue 21: " + " ".join(LEGACY_FLAGS) + ")")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the modes this many times in turn (A, B, A, B), each round a server of its own")
     ap.add_argument("--server-args", default="", help="extra `rtserve serve` flags for the started servers")
     ap.add_argument("--data-parallel-size", default=None,
                     help="comma-separated engine-core counts: one server per count (and router), prefix cache on")
@@ -264,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; with and without {args.background_http} background HTTP clients (~{args.background_prompt_tokens}-"
              f"token prompts)" if args.background_http else ""), flush=True)
     summaries: dict[tuple[str, int], dict] = {}
-    modes = [("external", None, [])] if args.url else [(m, m == "cache", []) for m in args.modes.split(",")]
+    modes = [("external", None, [])] if args.url else [
+        (m if args.rounds == 1 else f"{m}#{r + 1}", m != "nocache", LEGACY_FLAGS if m == "legacy" else [])
+        for r in range(max(1, args.rounds)) for m in args.modes.split(",") if m]
     if args.data_parallel_size and not args.url:
         modes = []
         for dp in (int(x) for x in args.data_parallel_size.split(",") if x):
@@ -279,13 +296,17 @@ def main(argv: list[str] | None = None) -> int:
             proc = start_server(port, cache, args.server_args.split() + mode_args)
             url = f"ws://127.0.0.1:{port}/v1/realtime"
         try:
-            asyncio.run(run_load(url, 1, argparse.Namespace(**{**vars(args), "turns": 1})))  # warm-up
+            # warm-up, on a system prompt of its own: it must not put the measured sessions' prompts in the cache
+            asyncio.run(run_session(url, -1, 1, args.max_output_tokens, args.system_tokens))
+            # each load's sessions have system prompts of their own (numbers no earlier load used, a multiple of
+            # the question count apart so they ask the same questions): no load starts on another's cached prompts
+            loads = itertools.count(0, 6000)
             for n in counts:
                 for background in (0, args.background_http) if args.background_http else (0,):
                     label = f"{mode}+http" if background else mode
                     progress = report.Progress(f"{label}, {n} sessions", total=n * args.turns)
                     start = time.perf_counter()
-                    results = asyncio.run(run_load(url, n, args, progress, background))
+                    results = asyncio.run(run_load(url, n, args, progress, background, next(loads)))
                     summaries[(label, n)] = summarize(label, n, results, time.perf_counter() - start, args.turns)
                     progress.close(f"turns done, {summaries[(label, n)]['output_tok_s']:.1f} output tok/s")
         finally:
@@ -312,6 +333,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"{summary['hit_rate'] / max(1e-9, one['hit_rate']):.2f} of one replica's "
                       f"({one['hit_rate']:.1%}); turn-{t} TTFT p50 {ms(summary['per_turn'][t]).strip()} ms vs "
                       f"{ms(one['per_turn'][t]).strip()} ms")
+        for r in range(1, max(1, args.rounds) + 1):
+            tag = "" if args.rounds == 1 else f"#{r}"
+            old, new = summaries.get((f"legacy{tag}", n)), summaries.get((f"cache{tag}", n))
+            if old and new:
+                print(f"sessions {n}{tag and ', round ' + tag[1:]}: turn-1 TTFT p50 {ms(new['per_turn'][1]).strip()} "
+                      f"ms vs {ms(old['per_turn'][1]).strip()} ms with the legacy scheduling "
+                      f"({old['per_turn'][1] / new['per_turn'][1]:.1f}x lower); gap p95 {ms(new['gap_p95']).strip()} "
+                      f"vs {ms(old['gap_p95']).strip()} ms; output {new['output_tok_s']:.1f} vs "
+                      f"{old['output_tok_s']:.1f} tok/s ({new['output_tok_s'] / old['output_tok_s'] - 1:+.0%})")
         on, off = summaries.get(("cache", n)), summaries.get(("nocache", n))
         if on and off:
             t = args.turns

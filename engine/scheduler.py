@@ -10,7 +10,10 @@ out by one rule:
    request is scheduled before a running priority-1 request's next prefill chunk, so a long HTTP prompt is chunked
    around Realtime work, and within a priority it is first come, first served;
 3. while more than one request has prefill work, no request gets more than `long_prefill_token_threshold` prefill
-   tokens in one step (vLLM's knob of that name), so one huge prompt does not own the engine.
+   tokens in one step (vLLM's knob of that name), so one huge prompt does not own the engine;
+4. with a latency target (`StepBudget.max_itl_ms`), a step that carries prefill of one priority carries none of a worse
+   one: the lower-priority chunk would lengthen the step that ends in the better request's first token. The paused
+   prompt goes on in the next step; without a target, steps are filled for throughput instead.
 
 Waiting requests are admitted while KV pages and `max_num_seqs` allow, and only in steps that preempted nothing (a
 preemption means memory pressure). When a running request's pages run out, the worst running request (lowest priority,
@@ -90,7 +93,10 @@ class Scheduler:
         bm = self.block_manager
         self.running.sort(key=lambda r: r.sort_key)
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        out.token_budget = self.step_budget.tokens(len(decodes))
+        prefill_priorities = [r.priority for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        prefill_priorities += [r.priority for *_, r in self.waiting if not r.status.finished]
+        out.token_budget = self.step_budget.tokens(
+            len(decodes), background_only=bool(prefill_priorities) and min(prefill_priorities) > 0)
 
         # 1. decodes, each with the drafts that fit once every later decode has its one token
         for i, req in enumerate(decodes):
@@ -114,7 +120,10 @@ class Scheduler:
         cap = threshold if threshold > 0 and len(candidates) > 1 else out.token_budget
         admitted: set[int] = set()                        # seq numbers of the waiting entries admitted
         admitting = not out.preempted
+        pause_after: int | None = None                    # worse priorities than this wait for the next step
         for key, req in candidates:
+            if pause_after is not None and key[0] > pause_after:
+                break
             budget = min(out.token_budget - out.num_batched_tokens, cap)
             if budget <= 0:
                 if out.num_batched_tokens >= out.token_budget:
@@ -127,6 +136,7 @@ class Scheduler:
                 if self._allocate_or_preempt(req, num_new, out):
                     self._schedule(req, num_new, out)
                     admitting = admitting and not out.preempted
+                    pause_after = key[0] if self.step_budget.enabled else None
                 continue
             if not admitting or len(self.running) >= self.max_num_seqs:
                 continue
@@ -144,6 +154,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._schedule(req, num_new, out)
+            pause_after = key[0] if self.step_budget.enabled else None
 
         decode_ids = {id(r) for r in decodes}
         out.num_decodes = sum(1 for s in out.scheduled if id(s.request) in decode_ids)

@@ -11,8 +11,10 @@ small ones; the next, smaller step then measures a higher ratio and the budget s
 loop is the n where a + b*n equals the target, which is the size wanted. When the decodes alone exceed the target
 (a >= target), the budget settles at its floor.
 
-Without running decodes there is no stream to protect: the step gets the whole `max_num_batched_tokens` (best
-time to first token for the prompts).
+Without running decodes there is no stream to protect, but there may be a turn about to arrive: a step that carries
+only background prefill (priority above 0, e.g. HTTP prompts) is sized to the target as well, so a Realtime turn that
+arrives while it runs waits at most about one target for its own step. A step whose prefill is urgent (priority 0)
+and that has no stream to protect gets the whole `max_num_batched_tokens` (best time to first token for the prompts).
 """
 from __future__ import annotations
 
@@ -27,10 +29,15 @@ class StepBudget:
     ema_weight: float = 0.25               # weight of the newest step in the average
     seconds_per_token: float | None = None  # the moving average (None until a step with prefill was measured)
 
-    def tokens(self, num_decodes: int) -> int:
-        """The step's token budget when `num_decodes` running streams each need one token."""
+    @property
+    def enabled(self) -> bool:
+        return bool(self.max_itl_ms)
+
+    def tokens(self, num_decodes: int, background_only: bool = False) -> int:
+        """The step's token budget when `num_decodes` running streams each need one token; `background_only`: every
+        prefill the step could carry is of a priority above 0."""
         full = self.max_num_batched_tokens
-        if not self.max_itl_ms or num_decodes == 0 or self.seconds_per_token is None:
+        if not self.max_itl_ms or (num_decodes == 0 and not background_only) or self.seconds_per_token is None:
             return full
         fit = int(self.max_itl_ms / 1000.0 / self.seconds_per_token)
         return min(full, max(fit, num_decodes + self.min_prefill_tokens))

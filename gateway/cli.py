@@ -107,10 +107,12 @@ def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
                          "512)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="longest prompt + output in tokens (default: the model's context length)")
-    ap.add_argument("--max-itl-ms", type=float, default=0.0,
-                    help="target inter-token gap of running streams, e.g. 250: steps that carry prefill are sized to "
-                         "it from the measured cost per token, at a cost in time to first token and throughput under "
-                         "load (docs/benchmarks.md). Default 0: off, every step may batch --max-num-batched-tokens")
+    ap.add_argument("--max-itl-ms", type=float, default=200.0,
+                    help="target inter-token gap of running streams: steps that carry prefill are sized to it from "
+                         "the measured cost per token, and so are steps of HTTP prefill alone (a Realtime turn that "
+                         "arrives waits about this long at most), at a cost in throughput and in time to first token "
+                         "when many cold prompts arrive at once (docs/benchmarks.md). 0: off, every step may batch "
+                         "--max-num-batched-tokens (default 200)")
     ap.add_argument("--long-prefill-token-threshold", type=int, default=128,
                     help="prefill tokens any one request gets per step while another has prefill work too "
                          "(default 128; 0: no cap)")

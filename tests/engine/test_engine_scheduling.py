@@ -66,6 +66,25 @@ def test_realtime_turn_goes_before_a_running_http_prefill_and_decodes_keep_going
     assert toks["turn"] == alone(engine, turn) and toks["http"] == alone(engine, LONG)
 
 
+def test_with_a_latency_target_the_step_of_a_realtime_turn_carries_no_http_prefill(engine, knobs):
+    _, budget = knobs
+    budget.max_itl_ms = 1e9                                    # on, and a target every step meets: sizes stay full
+    log, toks = [], {}
+    engine.add_request(LONG, GREEDY, request_id="http", priority=1, cache_salt="paused")
+    step_log(engine, log, toks)
+    assert log[-1] == [("http", BUDGET)]
+    turn = "User: what is the capital of France?\nAssistant:"
+    engine.add_request(turn, GREEDY, request_id="turn", priority=0, cache_salt="paused")
+    step_log(engine, log, toks)
+    assert log[-1] == [("turn", engine.requests["turn"].num_prompt_tokens)]   # the HTTP chunk waits a step
+    assert len(toks["turn"]) == 1
+    step_log(engine, log, toks)
+    assert log[-1] == [("turn", 1), ("http", BUDGET - 1)]      # then it goes on around the turn's decode
+    while engine.has_unfinished():
+        step_log(engine, log, toks)
+    assert toks["turn"] == alone(engine, turn) and toks["http"] == alone(engine, LONG)
+
+
 def test_prefill_cap_per_request_while_others_wait(engine, knobs):
     sched, _ = knobs
     sched.long_prefill_token_threshold = 16

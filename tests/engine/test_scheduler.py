@@ -175,6 +175,31 @@ def test_step_budget_shrinks_steps_only_while_streams_run():
     assert out.token_budget == budget.tokens(1) == out.num_batched_tokens < 512
 
 
+def test_with_a_latency_target_background_prefill_is_sized_and_paused_for_a_realtime_turn():
+    """With `max_itl_ms` on: a step of HTTP prefill alone is sized to the target (a turn that arrives waits at most
+    about that long), and a step carrying a Realtime prompt carries no HTTP prefill; the HTTP prompt goes on after."""
+    budget = StepBudget(max_num_batched_tokens=512, max_itl_ms=100)
+    budget.observe(500, 1.0, carried_prefill=True)         # 2 ms per token: 50 tokens fit the target
+    sched = Scheduler(BlockManager(400, 4), max_num_seqs=8, max_num_batched_tokens=512, step_budget=budget)
+    assert budget.tokens(num_decodes=0) == 512 and budget.tokens(num_decodes=0, background_only=True) == 50
+    http = distinct("http", 300, priority=1, t=0)
+    sched.add(http)
+    out = run_step(sched)
+    assert out.token_budget == 50 and [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("http", 50)]
+    turn = distinct("turn", 10, priority=0, t=1, base=1000)
+    sched.add(turn)
+    out = run_step(sched)
+    assert out.token_budget == 512 and [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("turn", 10)]                                     # urgent prefill, no stream yet: full budget, HTTP paused
+    out = run_step(sched)                                 # the turn decodes: HTTP prefill fills the rest of the target
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("turn", 1), ("http", 49)]
+    off = Scheduler(BlockManager(400, 4), max_num_seqs=8, max_num_batched_tokens=512,
+                    step_budget=StepBudget(max_num_batched_tokens=512))
+    off.add(distinct("http", 300, priority=1, t=0))
+    assert run_step(off).num_batched_tokens == 300        # no target: steps are filled for throughput
+
+
 def test_identical_prefix_in_flight_is_computed_once():
     sched = Scheduler(BlockManager(200, 4, 4), max_num_seqs=8, max_num_batched_tokens=16)
     system = list(range(1, 41))                           # 10 blocks of 4

@@ -28,10 +28,10 @@ def test_cli_flags_map_to_engine_args(capsys):
     assert cli.engine_args(ns) == {"kv_cache_memory": "2GiB", "max_num_seqs": 8, "enable_prefix_caching": False,
                                    "dtype": "bfloat16",   # the server's default; the engine API's stays float32
                                    "quantization": "gguf",   # the embedded model is a Q4_1 GGUF: decode on its blocks
-                                   "max_itl_ms": None, "long_prefill_token_threshold": 128}   # the server's defaults
-    off = cli.engine_args(cli.serve_parser().parse_args(["--max-itl-ms", "250", "--long-prefill-token-threshold", "0",
+                                   "max_itl_ms": 200.0, "long_prefill_token_threshold": 128}   # the server's defaults
+    off = cli.engine_args(cli.serve_parser().parse_args(["--max-itl-ms", "0", "--long-prefill-token-threshold", "0",
                                                          "--no-share-inflight-prefixes"]))
-    assert (off["max_itl_ms"], off["long_prefill_token_threshold"], off["share_inflight_prefixes"]) == (250, 0, False)
+    assert (off["max_itl_ms"], off["long_prefill_token_threshold"], off["share_inflight_prefixes"]) == (None, 0, False)
     assert cli.engine_args(cli.serve_parser().parse_args(["--dtype", "float32"]))["dtype"] == "float32"
     assert cli.engine_args(cli.serve_parser().parse_args(["--enforce-eager"]))["enforce_eager"] is True
     assert "enforce_eager" not in cli.engine_args(cli.serve_parser().parse_args([]))
