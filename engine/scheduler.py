@@ -6,9 +6,11 @@ out by one rule:
 
 1. every running decode (1 token each, plus its draft tokens under speculative decoding) first, best priority first: a
    stream that is generating never waits behind a prompt; drafts only take budget left after every decode's own token;
-2. then prefill work, running chunks and waiting prompts alike, in (priority, arrival) order: a waiting priority-0
-   request is scheduled before a running priority-1 request's next prefill chunk, so a long HTTP prompt is chunked
-   around Realtime work, and within a priority it is first come, first served;
+2. then prefill work, running chunks and waiting prompts alike, by priority: a waiting priority-0 request is
+   scheduled before a running priority-1 request's next prefill chunk, so a long HTTP prompt is chunked around Realtime
+   work. Within a priority, prompts whose whole remaining prefill fits this step go first (a session's next turn, mostly
+   cached, gets its first token now instead of queueing behind other sessions' long cold prompts, which each lose at
+   most that step's share); then first come, first served;
 3. while more than one request has prefill work, no request gets more than `long_prefill_token_threshold` prefill
    tokens in one step (vLLM's knob of that name), so one huge prompt does not own the engine;
 4. with a latency target (`StepBudget.max_itl_ms`), a step that carries prefill of one priority carries none of a worse
@@ -115,9 +117,10 @@ class Scheduler:
         followers = self._followers(candidates, out)
         candidates.extend(((p, t, seq), r) for p, t, seq, r in self.waiting
                           if not r.status.finished and id(r) not in followers)
-        candidates.sort(key=lambda c: c[0])
         threshold = self.long_prefill_token_threshold
         cap = threshold if threshold > 0 and len(candidates) > 1 else out.token_budget
+        room = min(out.token_budget - out.num_batched_tokens, cap)
+        candidates.sort(key=lambda c: (c[0][0], self._remaining_prefill(c[1]) > room, c[0][1:]))
         admitted: set[int] = set()                        # seq numbers of the waiting entries admitted
         admitting = not out.preempted
         pause_after: int | None = None                    # worse priorities than this wait for the next step
@@ -163,6 +166,11 @@ class Scheduler:
             self.waiting = [e for e in self.waiting if e[2] not in admitted and not e[3].status.finished]
             heapq.heapify(self.waiting)
         return out
+
+    def _remaining_prefill(self, req: Request) -> int:
+        if req.status == RequestStatus.RUNNING:
+            return req.num_tokens - req.num_computed_tokens
+        return req.num_tokens - len(self.block_manager.find_cached_pages(req)) * self.block_manager.page_size
 
     def _followers(self, running_prefills: list, out: SchedulerOutput) -> set[int]:
         """Waiting requests whose first uncached block is being computed by a request ahead of them: they wait for it

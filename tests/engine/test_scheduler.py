@@ -200,6 +200,26 @@ def test_with_a_latency_target_background_prefill_is_sized_and_paused_for_a_real
     assert run_step(off).num_batched_tokens == 300        # no target: steps are filled for throughput
 
 
+def test_within_a_priority_a_prompt_that_fits_the_step_goes_before_long_cold_prompts():
+    """Sessions starting cold share small steps under a latency target; a turn that arrives later with little left to
+    prefill (its history cached) gets its first token in the next step instead of waiting for every cold prompt."""
+    budget = StepBudget(max_num_batched_tokens=512, max_itl_ms=100)
+    budget.observe(500, 1.0, carried_prefill=True)         # 50 tokens per step while streams run
+    sched = Scheduler(BlockManager(800, 4), max_num_seqs=16, max_num_batched_tokens=512, step_budget=budget)
+    sched.add(distinct("warm", 20, t=0, base=5000))
+    run_step(sched)                                       # its first token: now a running stream
+    for i in range(4):
+        sched.add(distinct(f"cold{i}", 400, t=1 + i, base=1000 * (i + 1)))
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["warm", "cold0"]   # first come among the long ones
+    sched.add(distinct("turn2", 12, t=10, base=9000))
+    out = run_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled][:2] == [("warm", 1), ("turn2", 12)]
+    assert sum(s.num_new_tokens for s in out.scheduled) <= out.token_budget
+    out = run_step(sched)                                 # then the cold prompts go on in arrival order
+    assert [s.request.request_id for s in out.scheduled][:3] == ["warm", "turn2", "cold0"]
+
+
 def test_identical_prefix_in_flight_is_computed_once():
     sched = Scheduler(BlockManager(200, 4, 4), max_num_seqs=8, max_num_batched_tokens=16)
     system = list(range(1, 41))                           # 10 blocks of 4
