@@ -34,10 +34,11 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("RTSERVE_PACKED_LINEAR", "1",
              "`0`: no packed linear kernels (AMX, AVX-512 FP16, AVX-512 fp32); linear layers go to torch. For A/B "
              "runs."),
-    Variable("RTSERVE_VNNI", "0",
-             "`1`: on an AVX-512 VNNI CPU without AMX or AVX-512 FP16, GGUF blocks run as int8 dot products against "
-             "int8-quantized activations (llama.cpp's scheme, much faster) instead of fp32 FMAs on dequantized weights. "
-             "Opt-in: the activation rounding changes some greedy outputs (docs/kernels.md)."),
+    Variable("RTSERVE_VNNI", "1",
+             "`0`: on an AVX-512 VNNI CPU without AMX or AVX-512 FP16, GGUF blocks run as fp32 FMAs on dequantized "
+             "weights instead of int8 dot products against int8-quantized activations (llama.cpp's scheme, the "
+             "default there, much faster; its activation rounding changes some greedy outputs, docs/kernels.md). For "
+             "A/B runs."),
     Variable("RTSERVE_DECODE_STACK", "1",
              "`0`: decode steps run the decoder layers one Python call at a time instead of in one C++ call. For A/B "
              "runs."),

@@ -212,9 +212,11 @@ async def test_cached_tokens_on_a_repeated_prompt(server):
 async def test_min_tokens_holds_off_eos_and_stop_strings(server):
     """vLLM's min_tokens: the greedy answer that ends by EOS after n tokens goes on to min_tokens, unchanged up to
     there; a stop string in the first min_tokens tokens' text does not end it either. Each request in a cache_salt of
-    its own, so every run computes its prompt the same way."""
+    its own, so every run computes its prompt the same way. The question is one whose short greedy answer leads every
+    runner-up token, EOS included, by a wide margin on both kernel paths (RTSERVE_VNNI=1 and 0): "What is the capital
+    of France?" got a short answer on one path and a long French one on the other."""
     c = client(server)
-    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    ask = [{"role": "user", "content": "What is the capital of Germany?"}]
 
     async def greedy(**extra):
         return await c.chat.completions.create(model=MODEL, messages=ask, max_tokens=64, temperature=0,

@@ -29,7 +29,7 @@ def _cpu_flags() -> set[str]:
 
 
 def test_packed_kernel_is_used_on_this_machine(monkeypatch):
-    monkeypatch.setenv("RTSERVE_VNNI", "1")   # the integer-dot path is opt-in
+    monkeypatch.delenv("RTSERVE_VNNI", raising=False)   # the default path, whatever the run's environment says
     flags = _cpu_flags()    # `make test` installs the compiler the op needs
     avx512 = {"avx512f", "avx512_bf16"} <= flags
     expected = Isa.AMX if "amx_bf16" in flags else Isa.AVX512_FP16 if avx512 and "avx512_fp16" in flags else \
@@ -47,7 +47,7 @@ def test_packed_kernel_is_used_on_this_machine(monkeypatch):
 
 def test_the_switch_turns_every_packed_kernel_off(monkeypatch):
     """`RTSERVE_PACKED_LINEAR=0` (read when asked): no packed kernel, so no packed weights and torch for every layer."""
-    monkeypatch.setenv("RTSERVE_VNNI", "1")   # (the integer-dot path is opt-in)
+    monkeypatch.delenv("RTSERVE_VNNI", raising=False)   # with it at 0, the packed kernels differ from the CPU's own
     monkeypatch.setenv("RTSERVE_PACKED_LINEAR", "0")
     assert kernels.packed_isa() is Isa.NONE and kernels.cpu_isa() is not Isa.NONE
     w = torch.zeros(64, 64, dtype=torch.bfloat16)

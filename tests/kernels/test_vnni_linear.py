@@ -110,7 +110,7 @@ def test_vnni_kernel_on_the_files_weights(name, rows_of_tensor):
 def test_vnni_order_and_switch(monkeypatch):
     """On a VNNI CPU without AMX / FP16, GGUF blocks are packed in the integer-dot order; `RTSERVE_VNNI=0` (read when
     asked) packs them in tile order for the fp32 FMAs instead. Tile-order blocks still run (as fp32 FMAs) either way."""
-    monkeypatch.setenv("RTSERVE_VNNI", "1")   # the integer-dot path is opt-in
+    monkeypatch.delenv("RTSERVE_VNNI", raising=False)   # the default, whatever the run's environment says
     kind, raw, w = _file_tensor("blk.0.attn_q.weight", None)
     b = READERS[kind](raw)
     args = torch.from_numpy(b.q), torch.from_numpy(b.d), torch.from_numpy(b.m)
@@ -158,7 +158,7 @@ def test_greedy_text_on_int8_activations_matches_the_fp32_path(monkeypatch):
         assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_pages
         return outs
 
-    monkeypatch.setenv("RTSERVE_VNNI", "1")   # the integer-dot path (opt-in)
+    monkeypatch.delenv("RTSERVE_VNNI", raising=False)   # the default path
     default = run()
     monkeypatch.setenv("RTSERVE_VNNI", "0")
     fp32 = run()

@@ -275,6 +275,8 @@ async def test_conversation_items_and_out_of_band_response(server):
 @pytest.mark.slow
 async def test_32_concurrent_sessions(server):
     await server.wait_idle()
+    # what other tests left open is theirs to answer for: this test's own 32 sessions must all leave
+    before = open_sessions(server), set(server.app.state.sessions)
 
     async def one(i: int) -> list[dict]:
         raw = await open_raw(server, max_output_tokens=16, instructions="You answer briefly.")
@@ -294,7 +296,14 @@ async def test_32_concurrent_sessions(server):
         assert all(r["usage"]["output_tokens"] >= 1 for r in responses)
     s = await server.wait_idle()
     assert s["kv_pages_used"] == 0 and s["kv_pages_pinned"] == 0 and s["requests_running"] == 0
-    assert "rtserve_sessions_active 0.0" in server.metrics_text()
+    assert (open_sessions(server), set(server.app.state.sessions)) == before
+    assert open_sessions(server) == len(server.app.state.sessions)   # the gauge counts what the registry holds
+
+
+def open_sessions(server) -> float:
+    """The open app's `rtserve_sessions_active` gauge, from its /metrics."""
+    text = server.metrics_text()
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("rtserve_sessions_active ")))
 
 
 async def test_stalled_reader_is_disconnected_without_slowing_others(server):
