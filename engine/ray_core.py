@@ -20,7 +20,8 @@ from engine.core_process import run_engine_core
 
 
 class EngineCoreActor:
-    """One engine core (model, scheduler, KV cache) in a Ray actor; `run` lasts as long as the core."""
+    """One engine core (model, scheduler, KV cache) in a Ray actor; `run` lasts as long as the core (`pid` is called
+    before it: the actor runs one call at a time)."""
 
     def run(self, engine_args: dict, input_addr: str, output_addr: str) -> None:
         run_engine_core(engine_args, input_addr, output_addr)
@@ -36,27 +37,26 @@ class RayLauncher:
 
     def __init__(self, num_cpus: int, max_restarts: int = -1) -> None:
         self.node_ip = ray.util.get_node_ip_address()
-        # two concurrent calls: `pid` is answered while `run` holds the core's thread
         self.actor = ray.remote(EngineCoreActor).options(
-            num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=0, max_concurrency=2,
-            scheduling_strategy="SPREAD").remote()
+            num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=0, scheduling_strategy="SPREAD").remote()
 
     def bind(self, sock: zmq.Socket, directory: str, name: str) -> str:
         port = sock.bind_to_random_port(f"tcp://{self.node_ip}")
         return f"tcp://{self.node_ip}:{port}"
 
     def launch(self, engine_args: dict, input_addr: str, output_addr: str) -> "RayCoreProcess":
-        return RayCoreProcess(self.actor, self.actor.run.remote(engine_args, input_addr, output_addr),
-                              self.actor.pid.remote())
+        # first wait until the actor is up: a call to an actor Ray is still restarting fails at once unless it may be
+        # retried, and `run` must not be (a retry would run a core against the sockets of a client that moved on)
+        pid = ray.get(self.actor.pid.options(max_task_retries=-1).remote())
+        return RayCoreProcess(self.actor, self.actor.run.remote(engine_args, input_addr, output_addr), pid)
 
 
 class RayCoreProcess:
     """The process-like handle EngineCoreClient watches (multiprocessing.Process's `pid`, `sentinel`, `exitcode`,
     `join`, `is_alive`, `kill`) for one `run` of the core in its actor."""
 
-    def __init__(self, actor, run_ref, pid_ref) -> None:
-        self.actor, self._run_ref, self._pid_ref = actor, run_ref, pid_ref
-        self._pid: int | None = None
+    def __init__(self, actor, run_ref, pid: int) -> None:
+        self.actor, self._run_ref, self.pid = actor, run_ref, pid      # pid: the actor's worker process
         self.exitcode: int | str | None = None
         self._read_fd, self._write_fd = os.pipe()
         self._done = threading.Event()
@@ -66,17 +66,7 @@ class RayCoreProcess:
     def sentinel(self) -> int:
         return self._read_fd
 
-    @property
-    def pid(self) -> int | None:
-        """The actor's worker process id (the actor answers `pid` beside `run`); None until it has, or if it died
-        before."""
-        return self._pid
-
     def _watch(self) -> None:
-        try:
-            self._pid = ray.get(self._pid_ref)     # here, not in `pid`: no blocking call on the caller's event loop
-        except Exception:
-            pass
         try:
             ray.get(self._run_ref)
             self.exitcode = 0
