@@ -85,7 +85,8 @@ async def test_sessions_and_http_requests_go_through_ray_serve(ray_server):
 
     for raw in sessions:
         await raw.ws.close()
-    await wait_for(ray_server, lambda: [r["sessions"] for r in health(ray_server)["replicas"]] == [0, 0], "sessions released")
+    await wait_for(ray_server, lambda: [r["sessions"] for r in health(ray_server)["replicas"]] == [0, 0],
+                   "sessions released")
     metrics = httpx.get(f"{ray_server.root_url}/metrics", timeout=30).text
     assert 'rtserve_replica_healthy{replica="0"} 1.0' in metrics and 'rtserve_replica_healthy{replica="1"} 1.0' \
         in metrics
