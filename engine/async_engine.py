@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 from collections import defaultdict
+from concurrent.futures import Future
 from typing import AsyncIterator, Callable
 
 import kernels
@@ -28,20 +29,23 @@ log = logging.getLogger("rtserve.engine")
 
 class AsyncEngine:
     def __init__(self, model: str | None = None, **engine_args):
-        self.engine = LLMEngine(model=model, **engine_args)
-        self.tokenizer = self.engine.tokenizer
-        self.model_name = self.engine.model_name
-        self.max_model_len = self.engine.max_model_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
         self._error: BaseException | None = None
-        self._stats = self.engine.stats()           # snapshot published by the engine thread (no cross-thread reads)
-        self.num_threads = self.engine.args.num_threads or kernels.default_thread_count()  # the engine thread's
-        self._thread = threading.Thread(target=self._run, name="rtserve-engine", daemon=True)
+        self.num_threads = engine_args.get("num_threads") or kernels.default_thread_count()  # the engine thread's
+        # The engine thread builds the engine it steps (see _load); this thread waits for it, and a load error
+        # raises here.
+        loaded: Future[LLMEngine] = Future()
+        self._thread = threading.Thread(target=self._run, args=(model, engine_args, loaded), name="rtserve-engine",
+                                        daemon=True)
         self._thread.start()
+        self.engine = loaded.result()
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
 
     # ---- public API ---------------------------------------------------------------------------------------------
     async def generate(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -133,8 +137,27 @@ class AsyncEngine:
         self._stats = self.engine.stats()           # consumers that see a finish also see its blocks freed
         deliver(self._streams, items, self.engine.abort_request)
 
-    def _run(self) -> None:
+    def _load(self, model: str | None, engine_args: dict) -> LLMEngine:
+        """Build the engine on the thread that will step it.
+
+        Why: libgomp gives every thread that opens a parallel region a pool of worker threads of its own, kept for the
+        life of that thread, and once the process holds more of them than it has CPUs, an idle worker sleeps after
+        about a hundred spins instead of a few milliseconds' worth. Each of a decode step's many parallel regions
+        then waits for a sleeping worker to be woken. Loading the model on another thread (the gateway's loader, the
+        caller's) left that thread's pool alive beside the engine thread's, so a small CPU crossed that line; one
+        thread that loads and steps keeps one pool, as the engine-core process has."""
         kernels.set_thread_count(self.num_threads)  # (a Whisper or other worker thread may set a different count)
+        return LLMEngine(model=model, **engine_args)
+
+    def _run(self, model: str | None, engine_args: dict, loaded: Future) -> None:
+        try:
+            self.engine = self._load(model, engine_args)
+        except BaseException as e:                    # the constructor raises it
+            self._stopped = True
+            loaded.set_exception(e)
+            return
+        self._stats = self.engine.stats()           # snapshot published by the engine thread (no cross-thread reads)
+        loaded.set_result(self.engine)
         while not self._stopped:
             self._drain_commands()
             self._stats = self.engine.stats()

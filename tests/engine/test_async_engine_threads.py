@@ -1,0 +1,48 @@
+"""The in-thread engine's OpenMP workers keep spinning between a step's parallel regions (engine/async_engine.py,
+AsyncEngine._load): built on a loader thread, the engine left that thread's OpenMP pool beside its own, the process
+went over libgomp's CPU count, and its idle workers slept after a few spins, so every parallel region of a step
+waited for a futex wake. Counted, not timed: the process's voluntary context switches per decode step. A fresh
+process, loaded as the gateway loads it (asyncio.to_thread)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CODE = """
+import asyncio, os
+from engine import AsyncEngine, SamplingParams
+
+def switches():
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                total += next(int(l.split()[1]) for l in f if l.startswith("voluntary_ctxt_switches"))
+        except (OSError, StopIteration):
+            pass
+    return total
+
+async def main():
+    eng = await asyncio.to_thread(AsyncEngine, kv_cache_memory="64MiB")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        async for _ in eng.generate("warm", list(range(100, 140)), params):
+            pass
+        steps, before = eng.stats()["num_steps"], switches()
+        async for _ in eng.generate("r", list(range(200, 240)), params):
+            pass
+        print(eng.stats()["num_steps"] - steps, switches() - before, eng.num_threads)
+    finally:
+        eng.shutdown()
+
+asyncio.run(main())
+"""
+
+
+def test_decode_steps_do_not_sleep_between_parallel_regions():
+    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=600, check=True)
+    steps, switches, threads = map(int, out.stdout.split()[-3:])
+    assert steps >= 64
+    # a step's own wakeups (the event loop's, the engine thread's between steps) are a few; a worker that sleeps
+    # between parallel regions adds one per region, and a decode step has dozens
+    assert switches < 25 * steps or threads < 2, out.stdout + out.stderr
