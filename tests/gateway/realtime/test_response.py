@@ -195,12 +195,14 @@ class GatedTokenizer:
         return getattr(self.tokenizer, name)
 
 
-async def test_a_turn_is_not_held_up_by_another_clients_prompt_being_tokenized(server, monkeypatch):
+async def test_a_turn_is_not_held_up_by_another_clients_prompt_being_tokenized(server):
     """A long HTTP prompt (under the byte and character caps, so it is tokenized) is held inside the tokenizer; a
     Realtime session meanwhile renders its turn and answers it, and only then does the HTTP prompt finish (refused by
     its token count). With one lock around the tokenizer, or tokenization on the event loop, the turn would wait."""
-    gated = GatedTokenizer(server.app.state.renderer.tokenizer)
-    monkeypatch.setattr(server.app.state, "renderer", PromptRenderer(gated))
+    state = server.app.state
+    own = state.renderer
+    gated = GatedTokenizer(own.tokenizer)
+    state.renderer = PromptRenderer(gated)
     gate = gated.backend_tokenizer
     prompt = GATE_MARK + " " + " ".join(f"w{i % 997}" for i in range(80_000))
     try:
@@ -222,4 +224,5 @@ async def test_a_turn_is_not_held_up_by_another_clients_prompt_being_tokenized(s
         await raw.ws.close()
     finally:
         gate.release.set()
+        state.renderer = own
     await server.wait_idle(pinned_ok=True)
