@@ -48,6 +48,7 @@ from starlette.routing import Match, Route, WebSocketRoute
 from audio.tts import TTSError
 from engine import SamplingParams, StructuredOutputsParams
 from engine.errors import EngineDeadError, EngineError, InvalidRequestError, PromptTooLongError
+from gateway import memory
 from gateway import http_logprobs as hl
 from gateway import http_models as hm
 from gateway import tools as tl
@@ -205,6 +206,9 @@ async def read_capped(request: Request, limit: int, what: str) -> bytes:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
+                chunks.clear()
+                if size >= memory.BIG_BYTES:   # what was read is free again
+                    memory.release_soon()
                 raise too_large
             chunks.append(chunk)
     except ClientDisconnect:
@@ -439,6 +443,8 @@ async def _complete(request: Request, chat: bool) -> Response:
         if isinstance(prompt, str):
             _check_chars(len(prompt), engine, "prompt")
         prompt_ids = await asyncio.to_thread(_completion_prompt, prompt, state.renderer)
+    if len(body) >= memory.BIG_BYTES or len(prompt_ids) >= memory.BIG_PROMPT_TOKENS:   # (their copies are free again)
+        memory.release_soon()
     if not prompt_ids:
         raise HTTPError(400, "The prompt is empty.", "invalid_value", "messages" if chat else "prompt")
     structured = _structured(req)

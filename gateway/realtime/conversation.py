@@ -8,7 +8,6 @@ middle, other instructions) falls back to a full re-render and the cache reuses 
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,21 +209,27 @@ class Rendered:
 
 
 class PromptRenderer:
-    """Chat template + tokenizer, shared by all sessions (tokenizer calls are serialized; they run in threads)."""
+    """Chat template + tokenizer, shared by every session and HTTP request and safe to call from many threads at once:
+    no lock, so one client's huge prompt never holds up another's turn.
+
+    A fast tokenizer is called through its Rust backend (`tokenizers.Tokenizer`), which is never reconfigured here, so
+    concurrent calls only ever share it. `encode_batch` lets go of the GIL while it runs (`encode` holds it to the end),
+    so a long tokenization in a worker thread leaves the event loop and the other threads running. The chat template
+    is a compiled Jinja template, which renders concurrently."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._lock = threading.Lock()
+        self._backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
         self._takes_tools: bool | None = None
+        self._max_token_chars: int | None = None
 
     def encode(self, text: str) -> list[int]:
-        with self._lock:
+        if self._backend is None:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        with self._lock:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
     def takes_tools(self) -> bool:
         """Whether the chat template renders `tools` itself (Qwen2.5, Llama 3.1, Hermes do; SmolLM2's ignores them):
@@ -244,19 +249,35 @@ class PromptRenderer:
         """Render `messages` (with `tools` when active: the template's own way or our tool prompt in the system
         message, so they are rendered once, ahead of the history); returns the prompt and whether it extends
         `previous` (append-only) or was re-rendered."""
+        return self.tokenize(self.render_text(messages, tools), previous)
+
+    def render_text(self, messages: list[dict], tools: tl.ToolRequest | None = None) -> str:
+        """The prompt text of `messages` (see `render`), not tokenized."""
         if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             messages, template_tools = tl.render(messages, tools or tl.ToolRequest(), self.takes_tools())
         else:
             template_tools = None
-        text = self.template(messages, template_tools)
+        return self.template(messages, template_tools)
+
+    def tokenize(self, text: str, previous: Rendered | None = None) -> tuple[Rendered, bool]:
+        """`text` as a prompt: only its suffix is tokenized when `previous` is a prefix of it (append-only); returns
+        the prompt and whether it extends `previous`."""
         if previous is not None and previous.text and text.startswith(previous.text):
             return Rendered(text, previous.ids + self.encode(text[len(previous.text):])), True
         return Rendered(text, self.encode(text)), False
 
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters: no token covers more characters of text than this, so a text
+        longer than the context times this cannot fit and need not be tokenized to know it."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+        return self._max_token_chars
+
     def decode(self, ids: list[int]) -> str:
         """Exactly the text of `ids` (special tokens kept, no clean-up), as the template will see it again."""
-        with self._lock:
+        if self._backend is None:
             return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self._backend.decode(ids, skip_special_tokens=False)
 
     def extend(self, prompt: Rendered, output_ids: list[int]) -> Rendered:
         """The state after a turn: the prompt plus the generated ids (with their stop token, if any)."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from audio.stage import AudioStage
 from engine import SamplingParams, StructuredOutputsParams
 from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
+from gateway import memory
 from gateway import tools as tl
 from gateway.metrics import LatencyTimer, Metrics
 from gateway.realtime import protocol as p
@@ -101,35 +102,50 @@ class TextOutput:
         self.send({"type": "response.content_part.done", **self._ids, "part": {"type": "text", "text": text}})
 
 
-class PromptHistory:
-    """The session's append-only prompt: the last prompt that continued the session plus its answer (`rendered`),
-    and that turn's (item id, prompt, output ids) for rolling back after a truncate."""
+@dataclass(slots=True)
+class Turn:
+    """The last turn that continued the session: its prompt, the ids generated (with their stop token, if any), and
+    after a truncate the text of the answer still heard. Its text is decoded by the next render, in a worker thread
+    (`rendered`): ending a turn and truncating one do no tokenizer work on the event loop."""
+    item_id: str
+    prompt: Rendered
+    out_ids: list[int]
+    kept: str | None = None
+    _rendered: Rendered | None = None
 
-    def __init__(self, renderer: PromptRenderer) -> None:
-        self.renderer = renderer
-        self.rendered: Rendered | None = None
-        self._last_turn: tuple[str, Rendered, list[int]] | None = None
+    def rendered(self, renderer: PromptRenderer) -> Rendered:
+        """The prompt the next turn extends: this turn's prompt plus its answer, or after a truncate the output tokens
+        whose text is still in the item (a prefix-cache hit up to the cut, and no unheard text)."""
+        if self._rendered is None:
+            out_ids = self.out_ids
+            if self.kept is not None:
+                lo, hi = 0, len(out_ids)  # the longest k whose text is a prefix of what is kept
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if self.kept.startswith(renderer.decode(out_ids[:mid])):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                out_ids = out_ids[:lo]
+            self._rendered = renderer.extend(self.prompt, out_ids)
+        return self._rendered
+
+
+class PromptHistory:
+    """The session's append-only prompt: the last turn that continued the session (`last`), which the next prompt
+    extends and a truncate rolls back."""
+
+    def __init__(self) -> None:
+        self.last: Turn | None = None
 
     def extend(self, item_id: str, prompt: Rendered, out_ids: list[int]) -> None:
-        self.rendered = self.renderer.extend(prompt, out_ids)
-        self._last_turn = (item_id, prompt, list(out_ids))
+        self.last = Turn(item_id, prompt, list(out_ids))
 
     def rollback(self, item: Item) -> None:
-        """After a truncate of the last answer: the token history keeps only the output tokens whose text is still in
-        the item, so the next prompt extends it (prefix-cache hit up to the cut) instead of holding unheard text."""
-        if self._last_turn is None or self._last_turn[0] != item.id:
-            return  # older items: the next render no longer extends `rendered` and re-renders in full
-        _, prompt, out_ids = self._last_turn
-        kept = item.text()
-        lo, hi = 0, len(out_ids)  # the longest k whose text is a prefix of what is kept
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if kept.startswith(self.renderer.decode(out_ids[:mid])):
-                lo = mid
-            else:
-                hi = mid - 1
-        self.rendered = Rendered(prompt.text + self.renderer.decode(out_ids[:lo]), prompt.ids + out_ids[:lo])
-        self._last_turn = (item.id, prompt, out_ids[:lo])
+        """After a truncate of the last answer: the next prompt keeps only the output tokens whose text is still in
+        the item. Older items: the next render no longer extends `last` and re-renders in full."""
+        if self.last is not None and self.last.item_id == item.id:
+            self.last = Turn(item.id, self.last.prompt, self.last.out_ids, item.text())
 
 
 class ResponseRunner:
@@ -180,19 +196,41 @@ class ResponseRunner:
 
     # ---------------------------------------------------------------------------------------- the prompt
     async def _render(self, items: list[Item], instructions: str, extends_session: bool,
-                      tools: tl.ToolRequest) -> tuple[Rendered, list[Item]]:
-        """Render the prompt (in a thread: templates and tokenizers are CPU work), dropping the oldest items while it
-        does not fit the model (OpenAI's `truncation: auto`); also returns the items rendered."""
-        previous = self.history.rendered if extends_session else None
-        limit = self.engine.max_model_len - 1
+                      tools: tl.ToolRequest, response_items: list[Item] | None = None) -> tuple[Rendered, list[Item]]:
+        """Render the prompt in a worker thread (templates and tokenizers are CPU work, and a big conversation must
+        not hold up the other sessions), dropping the oldest items while it does not fit the model (OpenAI's
+        `truncation: auto`); also returns the items rendered. `response_items`: the response's own `input`, if any
+        (where a refusal points)."""
+        turn = self.history.last if extends_session else None
         active = tools if tools.active else None
+        truncate = self.config().get("truncation") != "disabled"
+        prompt, items = await asyncio.to_thread(self._render_fitting, items, instructions, turn, active, truncate,
+                                                response_items)
+        if len(prompt.text) >= memory.BIG_BYTES or len(prompt.ids) >= memory.BIG_PROMPT_TOKENS:   # (free again)
+            memory.release_soon()
+        return prompt, items
+
+    def _render_fitting(self, items: list[Item], instructions: str, turn: Turn | None, tools: tl.ToolRequest | None,
+                        truncate: bool, response_items: list[Item] | None) -> tuple[Rendered, list[Item]]:
+        """(In a worker thread.) A text longer than the context can hold tokens of is not tokenized at all: its
+        oldest items go first, or it is refused (a conversation of large items would otherwise cost the tokenizer's
+        working memory for millions of tokens)."""
+        limit = self.engine.max_model_len - 1
+        most_chars = self.engine.max_model_len * self.renderer.max_token_chars()
+        previous = turn.rendered(self.renderer) if turn is not None else None
         while True:
-            prompt, _ = await asyncio.to_thread(self.renderer.render, to_messages(items, instructions), previous,
-                                                active)
-            if len(prompt.ids) < limit or len(items) <= 1 or self.config().get("truncation") == "disabled":
+            text = self.renderer.render_text(to_messages(items, instructions), tools)
+            if len(text) > most_chars and truncate and len(items) > 1:
+                items, previous = items[1:], None
+                continue
+            if len(text) > most_chars:
+                raise PromptTooLongError(f"the conversation ({len(text)} characters) cannot fit the model's "
+                                         f"{self.engine.max_model_len}-token context (at most {most_chars} "
+                                         f"characters)", param=_too_long_param(items, response_items))
+            prompt, _ = self.renderer.tokenize(text, previous)
+            if len(prompt.ids) < limit or len(items) <= 1 or not truncate:
                 return prompt, items
-            items = items[1:]
-            previous = None
+            items, previous = items[1:], None
 
     def _sampling(self, params: sc.ResponseParams, prompt: Rendered) -> SamplingParams:
         room = self.engine.max_model_len - len(prompt.ids)
@@ -231,8 +269,8 @@ class ResponseRunner:
         pending = Item("pending", "message", role="user", content=[{"type": "input_audio", "transcript": transcript}])
         settled = [it for it in self.conversation.items  # this turn's item, if committed already, is `pending`
                    if it.id != replaces and not any(part.get("transcript", "") is None for part in it.content)]
-        prompt, _ = await self._render([*settled, pending], params.instructions, True, params.tools)
         try:
+            prompt, _ = await self._render([*settled, pending], params.instructions, True, params.tools)
             sampling = self._sampling(params, prompt)
         except PromptTooLongError:
             return None
@@ -271,11 +309,11 @@ class ResponseRunner:
             items = list(resp.items if resp.items is not None else self.conversation.items)
             await self._check_tool_schemas(resp.params)
             prompt, rendered = await self._render(items, resp.params.instructions, resp.extends_session,
-                                                  resp.params.tools)
+                                                  resp.params.tools, resp.items)
             try:
                 sampling = self._sampling(resp.params, prompt)
             except PromptTooLongError as exc:
-                exc.param = _too_long_param(rendered, resp)
+                exc.param = _too_long_param(rendered, resp.items)
                 raise
             pre = speculation.take_reply() if speculation is not None else None
             resp.rendered = True
@@ -398,14 +436,14 @@ class ResponseRunner:
         self.send({"type": "response.done", "response": self.response_dict(resp)})
 
 
-def _too_long_param(items: list[Item], resp: ActiveResponse) -> str | None:
+def _too_long_param(items: list[Item], response_items: list[Item] | None) -> str | None:
     """Where a prompt that cannot fit comes from, when one function call item alone is too long for the context
     (its arguments or output); None otherwise (a long conversation is the session's state, not one bad field)."""
     if len(items) != 1 or items[0].type == "message":
         return None
     field_name = "arguments" if items[0].type == "function_call" else "output"
-    if resp.items is not None:
-        return f"response.input[{resp.items.index(items[0])}].{field_name}"
+    if response_items is not None:
+        return f"response.input[{response_items.index(items[0])}].{field_name}"
     return f"item.{field_name}"
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from audio.stage import AudioStage
+from gateway import memory
 from gateway.handshake import Handshake
 from gateway.metrics import Metrics
 from gateway.realtime import function_calls as fc
@@ -67,7 +68,7 @@ class RealtimeSession:
         self.config = sc.default_session(self.id, hs.model or engine.model_name)
         self.conversation = Conversation()
         self.active: ActiveResponse | None = None
-        self.history = PromptHistory(renderer)  # the append-only prompt state (last prompt + its answer)
+        self.history = PromptHistory()  # the append-only prompt state (last prompt + its answer)
         self.audio = audio
         self.audio_in: AudioInput | None = None  # created on the first audio input (loads nothing before)
         self.speculation: Speculation | None = None  # (with audio_in) the work done inside a pause
@@ -123,6 +124,15 @@ class RealtimeSession:
             task.cancel()
         await asyncio.wait(tasks, timeout=5.0)  # a send stuck on a dead socket must not hold the session open
         self.engine.release_session(self.id)
+        # the session's memory goes now, not when the garbage collector breaks the session's reference cycles
+        held = self._queued_bytes + sum(lim.item_bytes(it) for it in self.conversation.items)
+        self.conversation.items.clear()
+        self.history.last = None
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queued_bytes = 0
+        if held >= memory.BIG_BYTES:
+            memory.release_soon()
         if self.close_reason and self.close_reason != "client closed":
             log.info("session %s closed: %s", self.id, self.close_reason)
 
@@ -226,6 +236,9 @@ class RealtimeSession:
                 log.exception("session %s: handler failed", self.id)
                 self.send(p.error_event(p.ProtocolError(f"Internal error: {exc}", None, None, "server_error"),
                                         p.client_event_id(event)))
+            if len(data) >= memory.BIG_BYTES:  # a big frame (stored, refused or answered) leaves its copies free
+                message = data = event = None
+                memory.release_soon()
 
     # --------------------------------------------------------------------------------------------- handlers
     def _on_session_update(self, event: dict) -> None:

@@ -1,6 +1,8 @@
 """Conversation items and prompt rendering (no engine): item order, append-only rendering."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from gateway.realtime import protocol as p
@@ -53,3 +55,20 @@ def test_rendering_is_append_only(renderer, instructions):
 
 def to_messages_of(msgs: list[dict], instructions: str) -> list[dict]:
     return ([{"role": "system", "content": instructions}] if instructions else []) + msgs
+
+
+def test_renderer_tokenizes_as_the_tokenizer_does_from_many_threads(renderer):
+    """The renderer calls the fast tokenizer's backend without a lock: the ids and texts are the tokenizer's own, and
+    many threads tokenizing at once (as sessions and HTTP requests do) each get exactly what one thread alone gets."""
+    tok = renderer.tokenizer
+    texts = ["", "Hello, world!", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "naïve café 東京 🙂",
+             " leading and trailing  ", "x" * 5000] + [f"turn {i}: " + "word " * (i * 50) for i in range(40)]
+    for text in texts:
+        ids = renderer.encode(text)
+        assert ids == tok.encode(text, add_special_tokens=False)
+        assert renderer.decode(ids) == tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    alone = [renderer.encode(t) for t in texts]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(renderer.encode, texts * 4))
+    assert together == alone * 4
+    assert renderer.max_token_chars() == max(len(t) for t in tok.get_vocab())

@@ -1,10 +1,15 @@
 """One response through the Realtime WebSocket: prefix reuse across turns, cancel and disconnect (the engine request
-stops), context overflow (the oldest items leave the prompt). Real engine and model."""
+stops), context overflow (the oldest items leave the prompt), a turn rendered while another client's long prompt is
+being tokenized. Real engine and model."""
 from __future__ import annotations
+
+import asyncio
+import threading
 
 import httpx
 import orjson
 
+from gateway.realtime.conversation import PromptRenderer
 from tests.conftest import SMALL_CONTEXT
 from tests.gateway.realtime.client import open_raw
 
@@ -152,3 +157,80 @@ async def test_context_overflow_drops_the_oldest_items(small_server):
     assert response["usage"]["input_tokens"] < SMALL_CONTEXT
     await raw.ws.close()
     await server.wait_idle()
+
+
+GATE_MARK = "rtserve-gate-7f3a"
+
+
+class GatedBackend:
+    """The tokenizer's own Rust backend, except that tokenizing a text holding GATE_MARK waits for `release` once it
+    has begun (`entered`): the test holds a long prompt's tokenization open for as long as it needs, instead of racing
+    a slow one."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def hold(self, texts) -> None:
+        if any(GATE_MARK in t for t in texts):
+            self.entered.set()
+            assert self.release.wait(600)
+
+    def encode_batch(self, texts, **kw):
+        self.hold(texts)
+        return self.backend.encode_batch(texts, **kw)
+
+    def encode(self, text, *args, **kw):
+        self.hold([text])
+        return self.backend.encode(text, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+class GatedTokenizer:
+    """The model's tokenizer with its backend gated (its `encode` too: the gate holds whichever path renders)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.backend_tokenizer = GatedBackend(tokenizer.backend_tokenizer)
+
+    def encode(self, text, *args, **kw):
+        self.backend_tokenizer.hold([text])
+        return self.tokenizer.encode(text, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+async def test_a_turn_is_not_held_up_by_another_clients_prompt_being_tokenized(server):
+    """A long HTTP prompt (under the byte and character caps, so it is tokenized) is held inside the tokenizer; a
+    Realtime session meanwhile renders its turn and answers it, and only then does the HTTP prompt finish (refused by
+    its token count). With one lock around the tokenizer, or tokenization on the event loop, the turn would wait."""
+    state = server.app.state
+    own = state.renderer
+    gated = GatedTokenizer(own.tokenizer)
+    state.renderer = PromptRenderer(gated)
+    gate = gated.backend_tokenizer
+    prompt = GATE_MARK + " " + " ".join(f"w{i % 997}" for i in range(80_000))
+    try:
+        async with httpx.AsyncClient(timeout=600) as h:
+            http = asyncio.create_task(h.post(f"{server.base_url}/completions", json={
+                "model": server.engine.model_name, "prompt": prompt, "max_tokens": 1}))
+            while not gate.entered.is_set():   # the HTTP prompt is inside the tokenizer
+                assert not http.done(), http.result().text
+                await asyncio.sleep(0.05)
+            raw = await open_raw(server, max_output_tokens=8)
+            await raw.say("Say hi.")
+            text, response, events = await raw.respond()
+            assert response["status"] in ("completed", "incomplete") and text
+            assert [e["type"] for e in events].index("response.created") < len(events) - 1
+            assert not http.done()   # the turn was rendered and answered while the HTTP prompt was still held
+            gate.release.set()
+            r = await http
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        await raw.ws.close()
+    finally:
+        gate.release.set()
+        state.renderer = own
+    await server.wait_idle(pinned_ok=True)
