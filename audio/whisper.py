@@ -232,9 +232,13 @@ class WhisperModel:
         self._suppress = mask
         self._suppress_begin = mask.clone()
         self._suppress_begin[list(suppress_begin)] = True
-        self._proj_packed = _pack_decoder(model) if pack and dtype == torch.bfloat16 else None
+        # Every linear layer on 8-bit GGUF blocks for the packed kernel (`_quantize_linears`), quantized from the fp32
+        # weights before they are rounded to the model's dtype.
+        self._proj_blocks = _quantize_linears(model) if pack and dtype == torch.bfloat16 else None
+        model.eval().to(dtype)
         # The encoder's GEMMs are prefill-sized (hundreds of positions). On a CPU without AMX, oneDNN's bf16 GEMMs and
-        # convolutions run slower than fp32 ones, so there the encoder runs in fp32 and hands the decoder bf16 states.
+        # convolutions run slower than fp32 ones, so there the rest of the encoder runs in fp32 and hands the decoder
+        # bf16 states.
         self.encoder_dtype = dtype
         no_amx = kernels.without_amx(kernels.packed_isa())
         if dtype == torch.bfloat16 and pack and no_amx:
@@ -245,8 +249,9 @@ class WhisperModel:
     @classmethod
     def load(cls, model_dir: str | Path | None = None, cache: str | Path | None = None,
              dtype: torch.dtype = torch.float32, quiet: bool = False, pack: bool = True) -> "WhisperModel":
-        """Load from the safetensors cache, converting ``model.bin`` once if the cache is missing. ``pack``: bf16
-        decoder linear layers on the packed kernel where the CPU has one (False: torch's GEMM everywhere)."""
+        """Load from the safetensors cache, converting ``model.bin`` once if the cache is missing. ``pack`` (bf16
+        only): the linear layers on 8-bit blocks for the packed kernel where the CPU has one (False: the dense
+        weights on torch's GEMM everywhere)."""
         from safetensors.torch import load_file, save_file
         from tokenizers import Tokenizer
         from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
@@ -279,7 +284,6 @@ class WhisperModel:
             model = WhisperForConditionalGeneration(config)
         model.load_state_dict(sd, strict=True, assign=True)
         model.proj_out.weight = model.model.decoder.embed_tokens.weight
-        model.eval().to(dtype)
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if t.is_meta:
                 raise WhisperLoadError(f"weight {name} was not filled")
@@ -358,9 +362,8 @@ class WhisperModel:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the given positions only (HF's head would project every position of the step)."""
         weight = self.model.proj_out.weight
-        if self._proj_packed is not None:
-            padded_weight, packed = self._proj_packed
-            return kernels.linear(hidden, padded_weight, None, packed)[:, :weight.shape[0]].float()
+        if self._proj_blocks is not None:
+            return kernels.linear_gguf(hidden.to(torch.bfloat16), *self._proj_blocks)[:, :weight.shape[0]].float()
         return torch.nn.functional.linear(hidden, weight).float()
 
     def detokenize(self, tokens: Sequence[int]) -> str:
@@ -373,29 +376,34 @@ class WhisperModel:
         return [self.detokenize(t).strip() for t in self.decode_greedy(enc, caps)]
 
 
-def _pack_decoder(model) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Give the decoder's per-token linear layers the packed kernel (kernels.linear: AMX, or AVX-512 FMAs) where the CPU
-    has one: a decode step is a few rows, where oneDNN's bf16 GEMM is slow, and the 51864-wide vocabulary projection
-    is a large share of the decoder's time. Returns the projection, padded to a multiple of 32 rows, and its packed
-    form (None without a packed kernel)."""
+def _quantize_linears(model) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Put every linear layer of the encoder and the decoder, and the vocabulary projection, on GGUF Q8_0 blocks for
+    `kernels.linear_gguf`, where the CPU has a packed kernel. Returns the projection's packed blocks (padded to a
+    multiple of 32 rows), or None without a packed kernel.
+
+    Why 8-bit blocks: CTranslate2 ships these weights as int8 with one scale per row, so blocks of 32 with their own
+    scale hold them as closely. On a VNNI CPU the kernel multiplies them as int8 dot products, at every batch size:
+    the encoder's GEMMs, most of a short turn's transcription, and the decoder's per-token GEMVs, where the 51864-wide
+    projection reads half the bytes of bf16. Where the kernel takes only decode-sized batches (bf16 tiles on AMX, or
+    fp32 FMAs), larger ones keep the dense weights (`_q8_forward`)."""
     if kernels.packed_isa() is kernels.Isa.NONE:
         return None
-    for layer in model.model.decoder.layers:
-        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.out_proj,
-                    layer.encoder_attn.q_proj, layer.encoder_attn.out_proj, layer.fc1, layer.fc2):
-            packed = kernels.pack_linear_weight(lin.weight)
-            if packed is not None:
-                lin.forward = functools.partial(_packed_forward, lin, packed)
+    for lin in model.model.modules():
+        if isinstance(lin, torch.nn.Linear) and lin is not model.proj_out:
+            if kernels.weight_isa(lin.weight.to(torch.bfloat16)) is not kernels.Isa.NONE:
+                lin.forward = functools.partial(_q8_forward, lin, kernels.pack_gguf(*kernels.quantize_q8_0(lin.weight)))
     w = model.proj_out.weight.detach()
     pad = -w.shape[0] % 32
     w = torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
-    packed = kernels.pack_linear_weight(w)
-    return None if packed is None else (w, packed)
+    return kernels.pack_gguf(*kernels.quantize_q8_0(w))
 
 
-def _packed_forward(lin: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    y = kernels.linear(x.reshape(-1, x.shape[-1]), lin.weight, lin.bias, packed)
-    return y.view(*x.shape[:-1], y.shape[-1])
+def _q8_forward(lin: torch.nn.Linear, blocks: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows > kernels.PACKED_MAX_ROWS and kernels.packed_isa() not in kernels.GGUF_ANY_ROWS:
+        return torch.nn.functional.linear(x, lin.weight, lin.bias)
+    y = kernels.linear_gguf(x.reshape(rows, x.shape[-1]).to(torch.bfloat16), *blocks, lin.bias)
+    return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
 @dataclass(slots=True, eq=False)

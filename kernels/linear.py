@@ -18,6 +18,9 @@ PACKED_MAX_ROWS = 64
 # fp16 tiles only for weights below this magnitude (others stay with torch): x is scaled to at most 16, so 64 products
 # of a lane's partial sum stay below 64 * 16 * 32 = 32768 < 65504 (fp16's largest) however their signs fall
 FP16_MAX_WEIGHT = 32.0
+# where `linear_gguf` takes every batch size, prefill included: fp16 FMAs and int8 dot products beat MKL's fp32 GEMM
+# there too (docs/benchmarks.md); elsewhere it takes up to PACKED_MAX_ROWS rows
+GGUF_ANY_ROWS = (Isa.AVX512_FP16, Isa.AVX512_VNNI)
 
 
 def weight_isa(weight: torch.Tensor) -> Isa:
@@ -77,6 +80,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.dim() == 2 and x.shape[0] > PACKED_MAX_ROWS and wide is not None:
         return torch.nn.functional.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q8_0 of a dense weight [N, K] (K a multiple of 32), as llama.cpp quantizes it: per block of 32 along K,
+    d = amax / 127 stored as fp16, q = round(w / d) in int8. Returns (q [N, K] int8, d [N, K/32] fp16), as
+    `pack_gguf` takes them. q is rounded against the stored fp16 d, so d * q is the nearest such weight."""
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // 32, 32)
+    d = (blocks.abs().amax(-1) / 127).half()
+    inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros((), dtype=torch.float32))
+    q = torch.round(blocks * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(n, k), d
 
 
 def pack_gguf_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

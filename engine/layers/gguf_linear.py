@@ -33,9 +33,6 @@ GROUP = 32            # Q4_1 and Q8_0 block size; also the kernel's group size
 # FMAs on blocks dequantized into an L1 ring, and the int8 dot products, are faster from 1 row, so there the 4-bit
 # kernel is not used.
 INT4_MAX_ROWS = {Isa.NONE: 8, Isa.AMX: 2, Isa.AVX512_FP32: 4, Isa.AVX512_FP16: 0, Isa.AVX512_VNNI: 0}
-# where the packed kernel takes every batch size, prefill included: fp16 FMAs and int8 dot products beat MKL's fp32
-# GEMM there too (docs/benchmarks.md)
-PACKED_ANY_ROWS = (Isa.AVX512_FP16, Isa.AVX512_VNNI)
 _Q4_1_BYTES = 20      # per block: fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BYTES = 34      # per block: fp16 d, 32 int8
 
@@ -67,7 +64,7 @@ class GGUFLinear(nn.Module):
         isa = kernels.weight_isa(self.weight)   # NONE also where fp16 tiles could overflow (FP16_MAX_WEIGHT)
         # (qs, dm) in the packed kernel's tile order, or None where it does not apply
         self.packed_blocks: tuple[torch.Tensor, torch.Tensor] | None = None if isa is Isa.NONE else blocks.pack()
-        self.packed_any_rows = isa in PACKED_ANY_ROWS
+        self.packed_any_rows = isa in kernels.GGUF_ANY_ROWS
         # prefill-sized batches on AVX-512 without FP16 or AMX, unless the blocks take those too
         self.wide = None if self.packed_any_rows else kernels.pack_wide_weight(self.weight)
         self.int4_planes = blocks.int4_planes(self.weight.dtype)

@@ -162,6 +162,21 @@ def test_gguf_blocks_dequantize_to_the_dense_bf16_weight(make, n, k):
         assert torch.equal(kernels.linear_gguf(x, qs, dm, bias), same_weights), rows
 
 
+def test_q8_0_quantization_rounds_each_weight_to_its_block():
+    """kernels.quantize_q8_0 (llama.cpp's Q8_0): per block of 32, d = amax / 127 in fp16 and q = round(w / d), so d * q
+    is each weight's nearest multiple of d, and the largest weight of a block keeps its value to d's rounding."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=gen) * torch.logspace(-1.5, 1, 64).unsqueeze(1)   # d normal in fp16
+    w[3, 32:64] = 0.0                                                                  # an all-zero block
+    q, d = kernels.quantize_q8_0(w)
+    assert q.dtype == torch.int8 and q.shape == (64, 96) and d.dtype == torch.float16 and d.shape == (64, 3)
+    scale = d.float().repeat_interleave(32, 1)
+    assert int(q.abs().max()) == 127 and not bool((q[3, 32:64] != 0).any()) and float(d[3, 1]) == 0.0
+    assert bool(((q.float() * scale - w).abs() <= scale / 2 + 1e-7).all())
+    amax = w.reshape(64, 3, 32).abs().amax(-1)
+    assert torch.allclose(d.float() * 127, amax, rtol=2 ** -10, atol=0)
+
+
 def test_bad_shapes_are_refused():
     w = torch.randn(64, 64).bfloat16()
     with pytest.raises(RuntimeError, match="features"):
