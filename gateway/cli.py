@@ -29,6 +29,8 @@ BENCHMARKS = {
            "playback gap; streamed synthesis against piper's whole-clause way",
     "turn": "end of turn on our own spoken utterances (complete / paused mid-clause): early ends, false ends and "
             "detection delay for the fixed 500 ms window, the engine's and Smart Turn's signals alone and combined",
+    "whisper": "Whisper on our own spoken utterances (piper, espeak-ng): word error rate, loops and encoder / decoder "
+               "time per turn, the server's model against exact fp32, optionally at shorter encoder contexts",
     "priority": "a Realtime-priority turn's time to first token while a long HTTP-priority prompt is in flight, on "
                 "the engine alone",
     "serve": "any OpenAI-compatible server (rtserve, llama.cpp's llama-server, vLLM) over HTTP: a seeded workload "

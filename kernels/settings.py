@@ -43,7 +43,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "`0`: decode steps run the decoder layers one Python call at a time instead of in one C++ call. For A/B "
              "runs."),
     Variable("RTSERVE_WHISPER_DTYPE", "bfloat16",
-             "`bfloat16` (the fast path), `float32` (exact) or `float16`: Whisper's compute dtype."),
+             "`bfloat16` (the fast path: linear layers on 8-bit blocks for the packed kernel), `float32` (exact) or "
+             "`float16`: Whisper's compute dtype."),
     Variable("RTSERVE_WHISPER_THREADS", "1", "Intra-op threads of the Whisper worker."),
     Variable("RTSERVE_TTS_THREADS", "2", "Speech synthesis threads (one piper voice and one ONNX thread each)."),
     Variable("RTSERVE_TTS_LOOKAHEAD_S", "1.0",
