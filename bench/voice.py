@@ -14,17 +14,33 @@ Measured by the client, per turn, from the end of speech — the moment the appe
 p50/p95; first audio minus speech_stopped; and the playback gap: how late the reply's audio deltas came for a client
 that plays them from the first one on without pause (worst per turn, p95 and max over turns). Then the Whisper encoder's real-time factor in this process, one batch of
 8 clips vs the same clips one by one, and the server's counters from /metrics.
+
+A/B in rounds: `--server SPEC` (repeatable) names a server configuration to start, `--rounds N` repeats the whole set of
+runs N times, interleaved: round 1 of every configuration, then round 2, ... (the order reversed every other round, A B
+B A, so a drift of the machine's load falls on both alike), each round on a freshly started server. The summary gives,
+per configuration, the median over rounds of each round's figures, every round's first audio p50, and the ratio to the
+first configuration (the median of the per-round ratios). `--combine A.json B.json ...` prints that summary for the runs
+of earlier `--output` files (e.g. one A/B split into several invocations), rounds numbered on in file order.
+
+    rtserve bench voice --sessions 8 --spread-ms 0 --rounds 4 --no-rtf \
+        --server "name=base,pythonpath=/tmp/wt-base" --server "name=main" --output ab.json
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import base64
+import json
 import os
 import re
+import shlex
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -32,7 +48,8 @@ import orjson
 import websockets
 
 from bench import report
-from bench.realtime import free_port, pct, start_server
+from bench.realtime import free_port, pct
+from bench.serve import positive
 
 QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?", "What color is the sky?",
              "Name a large animal that lives in the ocean.", "What is the boiling point of water?",
@@ -186,6 +203,100 @@ def server_batches(url: str) -> str:
         f"{1000 * float(tts.get('max_first_chunk_seconds', 0)):.0f} ms"
 
 
+@dataclass(slots=True)
+class ServerConfig:
+    """One server configuration under test: its name in the tables, its flags, where its code comes from."""
+    name: str
+    args: list[str] = field(default_factory=list)
+    pythonpath: str | None = None   # another source tree (an old commit's worktree): the server's code and cwd
+    env: dict[str, str] = field(default_factory=dict)
+
+
+SERVER_HELP = ("a server configuration to start, repeatable (the first is the baseline of the ratios): comma-separated "
+               "name=NAME, pythonpath=DIR (run the server from another source tree, e.g. an old commit's `git worktree`: "
+               "its PYTHONPATH and working directory), env=KEY=VALUE (repeatable), args=FLAGS (last: the rest of the "
+               "text, commas included, split like a shell; added after --server-args). E.g. "
+               "\"name=base,pythonpath=/tmp/wt-base\" \"name=itl0,env=RTSERVE_VNNI=0,args=--max-itl-ms 0\". "
+               "Default: one server, `rtserve serve` with --server-args")
+
+
+def parse_server(text: str) -> ServerConfig:
+    """`--server`'s text → ServerConfig; a bad field is an argparse error (one line, exit code 2)."""
+    fields: dict = {}
+    env: dict[str, str] = {}
+    args: list[str] = []
+    parts = text.split(",")
+    for i, part in enumerate(parts):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if key == "args" and eq:
+            try:
+                args = shlex.split(",".join([value, *parts[i + 1:]]))
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(f"args=: {e}") from None
+            break
+        if not eq or key not in ("name", "pythonpath", "env") or not value:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected name=NAME, pythonpath=DIR, env=KEY=VALUE or "
+                                             f"args=FLAGS (last)")
+        if key == "env":
+            var, eq, val = value.partition("=")
+            if not eq or not var:
+                raise argparse.ArgumentTypeError(f"env={value!r}: expected env=KEY=VALUE")
+            env[var] = val
+        elif key in fields:
+            raise argparse.ArgumentTypeError(f"{key}= given twice in {text!r}")
+        else:
+            fields[key] = value
+    path = fields.get("pythonpath")
+    if path is not None:
+        if not Path(path).is_dir():
+            raise argparse.ArgumentTypeError(f"pythonpath={path!r}: no such directory")
+        path = str(Path(path).resolve())
+    name = fields.get("name") or " ".join(args) or "default"
+    return ServerConfig(name, args, path, env)
+
+
+def round_order(configs: list, rnd: int) -> list:
+    """Round `rnd` (from 1) runs every configuration, reversed every other round (A B, B A, ...)."""
+    return list(configs) if rnd % 2 else list(reversed(configs))
+
+
+def start_server(config: ServerConfig, common: list[str], port: int, log) -> subprocess.Popen:
+    env = dict(os.environ, **config.env)
+    if config.pythonpath:
+        # `python -m` puts the working directory first on sys.path: it must be the tree too, or its code loses
+        env["PYTHONPATH"] = config.pythonpath
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level", "warning", *common,
+           *config.args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=config.pythonpath)
+    progress = report.Progress(f"starting {config.name}: rtserve serve {' '.join([*common, *config.args])}")
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"server {config.name} exited: {log.read()[-2000:].decode(errors='replace')}")
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            if r.status_code == 200:
+                progress.close("ready")
+                return proc
+            progress.update(note=f"({r.json().get('stage') or 'loading'})")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            progress.update()
+        time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError(f"server {config.name} did not become ready")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = report.parser("voice", __doc__.split("\n\n")[0])
     ap.add_argument("--sessions", default="1,8", help="comma-separated concurrent session counts")
@@ -199,94 +310,247 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="server_vad (500 ms window), semantic_vad (eagerness auto: early ends of turn), or both "
                          "comma-separated: each run of sessions is repeated per mode, interleaved")
     ap.add_argument("--url", default=None, help="measure a running server (ws://host:port/v1/realtime) as it is")
-    ap.add_argument("--server-args", default="", help="extra `rtserve serve` flags for the started server")
+    ap.add_argument("--server-args", default="", help="extra `rtserve serve` flags for every started server")
+    ap.add_argument("--server", dest="servers", action="append", type=parse_server, default=None,
+                    metavar="SPEC", help=SERVER_HELP)
+    ap.add_argument("--rounds", type=positive(int), default=1,
+                    help="repeat the whole set of runs this many times, every --server once per round, interleaved "
+                         "(the order reversed every other round), each round on a fresh server; the summary gives "
+                         "the median over rounds")
+    ap.add_argument("--server-log", metavar="DIR", type=Path, default=None,
+                    help="keep each started server's stderr as DIR/NAME-rROUND.log (with --server-args=\"--log-level "
+                         "debug\": the per-turn trace lines)")
+    ap.add_argument("--combine", metavar="FILE.json", nargs="+", type=Path, default=None,
+                    help="measure nothing: print the summary of the runs in these earlier --output files together "
+                         "(rounds numbered on in file order); with --output, write them as one file")
     ap.add_argument("--no-rtf", action="store_true", help="skip the in-process encoder RTF measurement")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.url and args.servers:
+        ap.error("--url measures one running server; --server starts its own: give one or the other")
+    args.servers = args.servers or [ServerConfig("default")]
+    names = [c.name for c in args.servers]
+    if len(set(names)) < len(names):
+        ap.error(f"--server: each configuration needs its own name= (got {names})")
+    return args
+
+
+def combine(paths: list[Path]) -> tuple[list[dict], list]:
+    """The runs (and server counters) of earlier --output files as one set, rounds numbered on in file order."""
+    runs, counters, offset = [], [], 0
+    for path in paths:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--combine: {path}: {e}") from None
+        if doc.get("benchmark") != "voice" or not isinstance(doc.get("runs"), list):
+            raise SystemExit(f"--combine: {path} is not a `rtserve bench voice --output` file")
+        file_runs = [{**r, "server": r.get("server", "default"), "round": offset + r.get("round", 1)}
+                     for r in doc["runs"]]
+        runs += file_runs
+        if isinstance(doc.get("server_counters"), list):
+            counters += [{**c, "round": offset + c.get("round", 1)} for c in doc["server_counters"]]
+        offset = max([offset, *(r["round"] for r in file_runs)])
+    return runs, counters
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.combine:
+        runs, counters = combine(args.combine)
+        print_runs(runs)
+        summary = summarize(runs)
+        print_summary(summary)
+        if args.output:
+            report.write_json(args.output, json_config(args), {
+                "runs": runs, "summary": summary, "server_counters": counters, "encoder_rtf": None,
+                "combined_from": [str(p) for p in args.combine]})
+        plot(args, runs)
+        return 0
     counts = [int(x) for x in args.sessions.split(",") if x]
     spreads = [int(x) for x in args.spread_ms.split(",") if x]
     modes = [x for x in args.turn_detection.split(",") if x]
     bad = [m for m in modes if m not in ("server_vad", "semantic_vad")]
     if bad or not modes:
         raise SystemExit(f"--turn-detection: server_vad and/or semantic_vad, not {args.turn_detection!r}")
+    configs = args.servers
     print(f"rtserve bench voice: sessions {counts}, {args.turns} turns, {args.chunk_ms} ms appends in real time, "
           f"{args.turn_detection}, {args.max_output_tokens} output tokens, start spread {spreads} ms, "
-          f"{os.cpu_count()} CPUs", flush=True)
+          f"{args.rounds} round(s) of {', '.join(c.name for c in configs)}, {os.cpu_count()} CPUs", flush=True)
     report.stage("synthesizing the spoken questions (piper) ...")
     clips = make_clips()
-    proc, url = None, args.url
-    runs, counters, rtf = [], None, None
-    if url is None:
-        port = free_port()
-        proc = start_server(port, True, args.server_args.split())
-        url = f"ws://127.0.0.1:{port}/v1/realtime"
-    try:
-        for mode in modes:  # warm-up
-            asyncio.run(run_session(url, 0, clips, 1, args.chunk_ms, args.max_output_tokens, turn_detection=mode))
-        for n in counts:
-            for spread in (spreads if n > 1 else [0]):
-                for mode in modes:  # interleaved: each mode runs right after the other, on the same machine load
-                    progress = report.Progress(f"{n} sessions, spread {spread} ms, {mode}", total=n * args.turns)
-
-                    async def load():
-                        return await asyncio.gather(*(run_session(url, i, clips, args.turns, args.chunk_ms,
-                                                                  args.max_output_tokens, i * spread / 1000 / n,
-                                                                  progress, mode)
-                                                      for i in range(n)))
-                    turns = [t for r in asyncio.run(load()) for t in r]
-                    progress.close("turns done")
-                    runs.append({"sessions": n, "spread_ms": spread, "turn_detection": mode, "turns": turns})
-        print_runs(runs)
-        counters = server_batches(url)
-        print(f"server Whisper encoder batches (size×count): {counters}", flush=True)
-    finally:
-        if proc is not None:
-            proc.terminate()
+    runs, counters, rtf = [], [], None
+    common = args.server_args.split()
+    for rnd in range(1, args.rounds + 1):
+        for config in round_order(configs, rnd):
+            proc, url = None, args.url
+            if args.server_log is not None:
+                args.server_log.mkdir(parents=True, exist_ok=True)
+                log = open(args.server_log / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', config.name)}-r{rnd}.log", "w+b")
+            else:
+                log = tempfile.TemporaryFile()
             try:
-                proc.wait(30)
-            except Exception:  # noqa: BLE001
-                proc.kill()
+                if url is None:
+                    port = free_port()
+                    proc = start_server(config, common, port, log)
+                    url = f"ws://127.0.0.1:{port}/v1/realtime"
+                runs += run_round(url, clips, args, counts, spreads, modes, config.name, rnd)
+                counters.append({"server": config.name, "round": rnd, "counters": server_batches(url)})
+            finally:
+                if proc is not None:
+                    stop_server(proc)
+                log.close()
+    print_runs(runs)
+    for c in counters:
+        print(f"{c['server']}, round {c['round']}: server Whisper encoder batches (size×count): {c['counters']}",
+              flush=True)
+    summary = summarize(runs)
+    print_summary(summary)
     if not args.no_rtf:
         batched, single = encoder_rtf()
         print(f"Whisper tiny.en encoder RTF, 8 clips: batched {batched:.4f}, one by one {single:.4f} "
               f"({single / batched:.1f}x)", flush=True)
         rtf = {"batched": batched, "one_by_one": single}
     if args.output:
-        report.write_json(args.output, args, {"runs": runs, "server_counters": counters, "encoder_rtf": rtf})
-    path = report.plot_path(args)
-    if path:
-        label = lambda r: f"{r['sessions']} sessions, spread {r['spread_ms']} ms, {r['turn_detection']}"  # noqa: E731
-        report.save_plot(path, [
-            report.Panel("end of speech → first audio", "cdf",
-                         {label(r): [1000 * t["audio"] for t in r["turns"] if "audio" in t] for r in runs}, "ms"),
-            report.Panel("end of speech → first text", "cdf",
-                         {label(r): [1000 * t["text"] for t in r["turns"] if "text" in t] for r in runs}, "ms"),
-            report.Panel("end of speech → transcript", "cdf",
-                         {label(r): [1000 * t["transcript"] for t in r["turns"] if "transcript" in t] for r in runs},
-                         "ms")],
-            f"rtserve bench voice: {args.turns} turns per session, {args.max_output_tokens} output tokens")
+        report.write_json(args.output, json_config(args), {"runs": runs, "summary": summary,
+                                                           "server_counters": counters, "encoder_rtf": rtf})
+    plot(args, runs)
     return 0
+
+
+def json_config(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags as JSON holds them: each --server as its fields, paths as text."""
+    return argparse.Namespace(**{**vars(args), "servers": [asdict(c) for c in args.servers],
+                                 "combine": [str(p) for p in args.combine or []] or None,
+                                 "server_log": None if args.server_log is None else str(args.server_log)})
+
+
+def run_round(url: str, clips: list[Clip], args, counts: list[int], spreads: list[int], modes: list[str],
+              server: str, rnd: int) -> list[dict]:
+    """One round on one server: a warm-up turn per mode, then every (sessions, spread, mode) run."""
+    runs = []
+    for mode in modes:  # warm-up
+        asyncio.run(run_session(url, 0, clips, 1, args.chunk_ms, args.max_output_tokens, turn_detection=mode))
+    for n in counts:
+        for spread in (spreads if n > 1 else [0]):
+            for mode in modes:  # interleaved: each mode runs right after the other, on the same machine load
+                progress = report.Progress(f"{server}, round {rnd}: {n} sessions, spread {spread} ms, {mode}",
+                                           total=n * args.turns)
+
+                async def load():
+                    return await asyncio.gather(*(run_session(url, i, clips, args.turns, args.chunk_ms,
+                                                              args.max_output_tokens, i * spread / 1000 / n,
+                                                              progress, mode)
+                                                  for i in range(n)))
+                turns = [t for r in asyncio.run(load()) for t in r]
+                progress.close("turns done")
+                runs.append({"server": server, "round": rnd, "sessions": n, "spread_ms": spread,
+                             "turn_detection": mode, "turns": turns})
+    return runs
+
+
+def plot(args, runs: list[dict]) -> None:
+    path = report.plot_path(args)
+    if not path:
+        return
+    servers = len({r["server"] for r in runs}) > 1
+
+    def label(r: dict) -> str:
+        return (f"{r['server']}: " if servers else "") + \
+            f"{r['sessions']} sessions, spread {r['spread_ms']} ms, {r['turn_detection']}"
+
+    def pooled(key: str) -> dict:   # every round's turns together, per configuration and run
+        out: dict[str, list] = {}
+        for r in runs:
+            out.setdefault(label(r), []).extend(1000 * t[key] for t in r["turns"] if key in t)
+        return out
+
+    report.save_plot(path, [report.Panel("end of speech → first audio", "cdf", pooled("audio"), "ms"),
+                            report.Panel("end of speech → first text", "cdf", pooled("text"), "ms"),
+                            report.Panel("end of speech → transcript", "cdf", pooled("transcript"), "ms")],
+                     f"rtserve bench voice: {args.turns} turns per session, {args.max_output_tokens} output tokens")
+
+
+# (column, turn key, percentile): the figures each run reports; "text_to_audio" is first audio − first text
+FIGURES = (("first audio p50", "audio", 50), ("first audio p95", "audio", 95), ("transcript p50", "transcript", 50),
+           ("transcript p95", "transcript", 95), ("first text p50", "text", 50),
+           ("first text → first audio p50", "text_to_audio", 50),
+           ("first audio − speech_stopped p50", "after_stopped", 50))
+
+
+def turn_values(run: dict, key: str) -> list[float]:
+    if key == "text_to_audio":
+        return [t["audio"] - t["text"] for t in run["turns"] if "audio" in t and "text" in t]
+    return [t[key] for t in run["turns"] if key in t]
+
+
+def figures(run: dict) -> dict[str, float]:
+    """One run's figures, ms (NaN where no turn has the mark)."""
+    out = {}
+    for name, key, q in FIGURES:
+        values = turn_values(run, key)
+        out[name] = 1000 * pct(values, q) if values else float("nan")
+    return out
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per (sessions, spread, turn detection, server): every round's figures, their median over rounds, and the
+    first audio p50 against the first server's in the same round (the median of those per-round ratios)."""
+    servers = list(dict.fromkeys(r.get("server", "default") for r in runs))
+    groups: dict[tuple, dict[int, dict]] = {}
+    for r in runs:
+        key = (r["sessions"], r["spread_ms"], r["turn_detection"], r.get("server", "default"))
+        groups.setdefault(key, {})[r.get("round", 1)] = figures(r)
+    out = []
+    for (n, spread, mode, server), by_round in sorted(groups.items(), key=lambda kv: (
+            kv[0][0], kv[0][1], kv[0][2], servers.index(kv[0][3]))):
+        rounds = sorted(by_round)
+        per_round = {name: [by_round[rnd][name] for rnd in rounds] for name, _, _ in FIGURES}
+        base = groups.get((n, spread, mode, servers[0]), {})
+        ratios = [by_round[rnd]["first audio p50"] / base[rnd]["first audio p50"] for rnd in rounds
+                  if rnd in base and base[rnd]["first audio p50"] > 0]
+        out.append({"sessions": n, "spread_ms": spread, "turn_detection": mode, "server": server, "rounds": rounds,
+                    "per_round": per_round, "median": {name: median(v) for name, v in per_round.items()},
+                    "first_audio_p50_ratio": median(ratios), "baseline": servers[0]})
+    return out
+
+
+def median(values: list[float]) -> float:
+    values = [v for v in values if v == v]   # NaN: a round without the mark
+    return statistics.median(values) if values else float("nan")
 
 
 def print_runs(runs: list[dict]) -> None:
     def p(r: dict, key: str, q: float) -> float:
         return 1000 * pct([t[key] for t in r["turns"] if key in t], q)
 
+    many = len({(r.get("server"), r.get("round")) for r in runs}) > 1
+    cols = ([report.Column("server"), report.Column("round")] if many else []) + [
+        report.Column("sessions"), report.Column("start spread", "ms", 0), report.Column("turn detection"),
+        report.Column("turns"),
+        report.Column("speech_stopped p50", "ms", 0), report.Column("transcript p50", "ms", 0),
+        report.Column("transcript p95", "ms", 0), report.Column("first text p50", "ms", 0),
+        report.Column("first text p95", "ms", 0), report.Column("first audio p50", "ms", 0),
+        report.Column("first audio p95", "ms", 0), report.Column("first audio − speech_stopped p50", "ms", 0),
+        report.Column("playback gap p95", "ms", 0), report.Column("playback gap max", "ms", 0)]
+    report.print_table(cols, [([r.get("server", "default"), r.get("round", 1)] if many else []) + [
+        r["sessions"], float(r["spread_ms"]), r["turn_detection"], len(r["turns"]), p(r, "stopped", 50),
+        p(r, "transcript", 50), p(r, "transcript", 95), p(r, "text", 50), p(r, "text", 95),
+        p(r, "audio", 50), p(r, "audio", 95), p(r, "after_stopped", 50), p(r, "gap", 95),
+        p(r, "gap", 100)] for r in runs])
+
+
+def print_summary(summary: list[dict]) -> None:
+    """The median over rounds per configuration; nothing to add for a single round of a single server."""
+    if all(len(s["rounds"]) == 1 for s in summary) and len({s["server"] for s in summary}) == 1:
+        return
     cols = [report.Column("sessions"), report.Column("start spread", "ms", 0), report.Column("turn detection"),
-            report.Column("turns"),
-            report.Column("speech_stopped p50", "ms", 0), report.Column("transcript p50", "ms", 0),
-            report.Column("transcript p95", "ms", 0), report.Column("first text p50", "ms", 0),
-            report.Column("first text p95", "ms", 0), report.Column("first audio p50", "ms", 0),
-            report.Column("first audio p95", "ms", 0), report.Column("first audio − speech_stopped p50", "ms", 0),
-            report.Column("playback gap p95", "ms", 0), report.Column("playback gap max", "ms", 0)]
-    report.print_table(cols, [[r["sessions"], float(r["spread_ms"]), r["turn_detection"], len(r["turns"]),
-                               p(r, "stopped", 50),
-                               p(r, "transcript", 50), p(r, "transcript", 95), p(r, "text", 50), p(r, "text", 95),
-                               p(r, "audio", 50), p(r, "audio", 95), p(r, "after_stopped", 50), p(r, "gap", 95),
-                               p(r, "gap", 100)] for r in runs])
+            report.Column("server"), report.Column("rounds"), report.Column("first audio p50, per round", "ms"),
+            report.Column(f"first audio p50 / {summary[0]['baseline']}", "×", 2)] + \
+        [report.Column(name, "ms", 0) for name, _, _ in FIGURES]
+    rows = [[s["sessions"], float(s["spread_ms"]), s["turn_detection"], s["server"], len(s["rounds"]),
+             " / ".join(f"{v:.0f}" for v in s["per_round"]["first audio p50"]), s["first_audio_p50_ratio"]] +
+            [s["median"][name] for name, _, _ in FIGURES] for s in summary]
+    report.print_table(cols, rows, "Median over rounds (ms); the ratio is the median of the per-round ratios")
 
 
 if __name__ == "__main__":
