@@ -214,9 +214,9 @@ class ServerConfig:
 
 
 SERVER_HELP = ("a server configuration to start, repeatable (the first is the baseline of the ratios): comma-separated "
-               "name=NAME, pythonpath=DIR (run the server from another source tree, e.g. an old commit's `git worktree`: "
-               "its PYTHONPATH and working directory), env=KEY=VALUE (repeatable), args=FLAGS (last: the rest of the "
-               "text, commas included, split like a shell; added after --server-args). E.g. "
+               "name=NAME, pythonpath=DIR (run the server from another source tree, e.g. an old commit's "
+               "`git worktree`: its PYTHONPATH and working directory), env=KEY=VALUE (repeatable), args=FLAGS (last: "
+               "the rest of the text, commas included, split like a shell; added after --server-args). E.g. "
                "\"name=base,pythonpath=/tmp/wt-base\" \"name=itl0,env=RTSERVE_VNNI=0,args=--max-itl-ms 0\". "
                "Default: one server, `rtserve serve` with --server-args")
 
