@@ -20,7 +20,8 @@ runs N times, interleaved: round 1 of every configuration, then round 2, ... (th
 B A, so a drift of the machine's load falls on both alike), each round on a freshly started server. The summary gives,
 per configuration, the median over rounds of each round's figures, every round's first audio p50, and the ratio to the
 first configuration (the median of the per-round ratios). `--combine A.json B.json ...` prints that summary for the runs
-of earlier `--output` files (e.g. one A/B split into several invocations), rounds numbered on in file order.
+of earlier `--output` files (e.g. one A/B split into several invocations), rounds numbered on in file order; the file
+is written after every round, so an interrupted run keeps the rounds it finished.
 
     rtserve bench voice --sessions 8 --spread-ms 0 --rounds 4 --no-rtf \
         --server "name=base,pythonpath=/tmp/wt-base" --server "name=main" --output ab.json
@@ -213,9 +214,9 @@ class ServerConfig:
 
 
 SERVER_HELP = ("a server configuration to start, repeatable (the first is the baseline of the ratios): comma-separated "
-               "name=NAME, pythonpath=DIR (run the server from another source tree, e.g. an old commit's `git worktree`: "
-               "its PYTHONPATH and working directory), env=KEY=VALUE (repeatable), args=FLAGS (last: the rest of the "
-               "text, commas included, split like a shell; added after --server-args). E.g. "
+               "name=NAME, pythonpath=DIR (run the server from another source tree, e.g. an old commit's "
+               "`git worktree`: its PYTHONPATH and working directory), env=KEY=VALUE (repeatable), args=FLAGS (last: "
+               "the rest of the text, commas included, split like a shell; added after --server-args). E.g. "
                "\"name=base,pythonpath=/tmp/wt-base\" \"name=itl0,env=RTSERVE_VNNI=0,args=--max-itl-ms 0\". "
                "Default: one server, `rtserve serve` with --server-args")
 
@@ -399,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
                 if proc is not None:
                     stop_server(proc)
                 log.close()
+        if args.output and rnd < args.rounds:   # an interrupted run keeps its finished rounds
+            report.write_json(args.output, json_config(args), {"runs": runs, "summary": summarize(runs),
+                                                               "server_counters": counters, "encoder_rtf": None,
+                                                               "rounds_done": rnd})
     print_runs(runs)
     for c in counters:
         print(f"{c['server']}, round {c['round']}: server Whisper encoder batches (size×count): {c['counters']}",
@@ -412,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         rtf = {"batched": batched, "one_by_one": single}
     if args.output:
         report.write_json(args.output, json_config(args), {"runs": runs, "summary": summary,
-                                                           "server_counters": counters, "encoder_rtf": rtf})
+                                                           "server_counters": counters, "encoder_rtf": rtf,
+                                                           "rounds_done": args.rounds})
     plot(args, runs)
     return 0
 
