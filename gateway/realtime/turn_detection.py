@@ -55,11 +55,12 @@ class Eagerness:
         return self.threshold + (self.floor - self.threshold) * frac
 
 
-# Tuned on half of `rtserve bench turn`'s utterances (even ids) and checked on the other half (docs/benchmarks.md): the
-# joint text score of a pause cut mid-clause stays far below a complete turn's, so a low floor is safe late in the
-# window, while the threshold at the shortest silence keeps doubtful early ends out.
-EAGERNESS = {"high": Eagerness(100, 0.2, 0.05), "medium": Eagerness(150, 0.3, 0.05),
-             "auto": Eagerness(150, 0.3, 0.05), "low": Eagerness(250, 0.5, 0.1)}
+# Tuned on `rtserve bench turn`'s utterances, three dumps of their scores with piper's noise drawn anew
+# (docs/benchmarks.md): the joint text score of a pause cut mid-clause stays far below a complete turn's, so a low floor
+# is safe late in the window, and the veto (TEXT_VETO), not the threshold at the shortest silence, is what keeps those
+# pauses from ending turns; a lower veto let them through, a lower threshold did not.
+EAGERNESS = {"high": Eagerness(100, 0.1, 0.05), "medium": Eagerness(150, 0.15, 0.05),
+             "auto": Eagerness(150, 0.15, 0.05), "low": Eagerness(250, 0.5, 0.1)}
 TEXT_WEIGHT = 0.8  # the engine's signal's share of the combined probability; Smart Turn has the rest
 TEXT_VETO = 0.05  # below this P(end of turn | transcript) no early end, whatever the audio says
 REPAIR_GRACE_MS = 1000  # speech resuming this soon after an early end's segment end continues the same turn
