@@ -36,13 +36,13 @@ POLICIES = ("affinity", "round-robin")
 _SUMMED_NOT = ("kv_page_size",)     # per-replica values that are the same everywhere, not amounts
 
 
-# How engine cores in child processes share this host's CPUs with the audio stage of this process (Whisper, piper,
-# the event loop). A voice turn goes through Whisper, then the LLM, then TTS, and at 8 simultaneous turns the CPUs are
-# short: Whisper's queue and the first sentence's synthesis are what the turns wait on. In one process nothing ordered
-# the core's threads behind them, and its OpenMP worker spins (busy-waits) between parallel regions for as long as
-# libgomp's default spin count, taking a CPU from them whenever the core's main thread is descheduled. So the cores run
-# nicer than the audio threads (which preempt them when they wake, and leave them every CPU when idle), and their
-# OpenMP workers spin for fewer iterations before they sleep: still enough to bridge the gaps between a step's
+# How engine cores in child processes share this host's CPUs with the audio stage of this process (Whisper, piper, the
+# event loop). A voice turn goes through Whisper, then the LLM, then TTS, and at 8 simultaneous turns the CPUs are
+# short: Whisper's queue and the first sentence's synthesis are what the turns wait on. Across two processes nothing
+# ordered the core's threads behind them, and its OpenMP worker spins (busy-waits) between parallel regions for as
+# long as libgomp's default spin count, taking a CPU from them whenever the core's main thread is descheduled. So the
+# cores run nicer than the audio threads (which preempt them when they wake, and leave them every CPU when idle), and
+# their OpenMP workers spin for fewer iterations before they sleep: still enough to bridge the gaps between a step's
 # parallel regions, so a step is not slower for it.
 CORE_NICE_BESIDE_AUDIO = 10
 CORE_ENV_BESIDE_AUDIO = {"GOMP_SPINCOUNT": "10000"}
