@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing
 import multiprocessing.util   # (its exit hook, registered now, runs after ours: see _shutdown_at_exit)
+import os
 import shutil
 import tempfile
 import threading
 import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -57,10 +60,17 @@ def replica_engine_args(engine_args: dict, data_parallel_size: int) -> dict:
     return {**engine_args, "num_threads": max(1, total // data_parallel_size)}
 
 
+@dataclass(slots=True)
 class ProcessLauncher:
     """Where an engine core runs: here, a spawned child process of this one, over ipc sockets. Another launcher
     (engine/ray_core.py: a Ray actor on any node, over tcp) gives the client the same process-like handle: `pid`,
-    `sentinel` (a file descriptor that becomes readable when the core has exited), `exitcode`, `join`, `kill`."""
+    `sentinel` (a file descriptor that becomes readable when the core has exited), `exitcode`, `join`, `kill`.
+
+    `nice` is added to the core's niceness (every thread of it); `env` is set in the core's environment only (this
+    process's own is left as it was): both are how a gateway that shares the CPUs with other work (the audio stage)
+    orders the core behind it (gateway/router.py)."""
+    nice: int = 0
+    env: dict[str, str] = field(default_factory=dict)
 
     def bind(self, sock: zmq.Socket, directory: str, name: str) -> str:
         addr = f"ipc://{directory}/{name}"
@@ -69,10 +79,36 @@ class ProcessLauncher:
 
     def launch(self, engine_args: dict, input_addr: str, output_addr: str):
         proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(engine_args, input_addr, output_addr), name="rtserve-engine-core",
-            daemon=True)
-        proc.start()
+            target=run_engine_core, args=(engine_args, input_addr, output_addr), kwargs={"nice": self.nice},
+            name="rtserve-engine-core", daemon=True)
+        with _child_env(self.env):
+            proc.start()
         return proc
+
+
+_env_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _child_env(env: dict[str, str]):
+    """This process's environment plus `env` while a child is spawned (it inherits the environment at its start).
+    Why not set it in the child: OpenMP reads its variables (GOMP_SPINCOUNT) once, when the library loads, and the
+    child loads it (torch) while unpickling its target, before any code of ours runs there. The variables are only
+    read by libraries this process loaded long ago, so the moment they are visible here changes nothing here."""
+    if not env:
+        yield
+        return
+    with _env_lock:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 class EngineCoreClient:

@@ -64,8 +64,10 @@ def encode_spec(spec: StructuredOutputsParams) -> dict:
 
 
 # ---- the process -----------------------------------------------------------------------------------------------------
-def run_engine_core(engine_args: dict, input_addr: str, output_addr: str) -> None:
-    """The child's entry point (multiprocessing spawn target)."""
+def run_engine_core(engine_args: dict, input_addr: str, output_addr: str, nice: int = 0) -> None:
+    """The child's entry point (multiprocessing spawn target). `nice`: added to this process's niceness first."""
+    if nice:
+        renice_threads(nice)
     threading.Thread(target=_exit_with_parent, name="rtserve-core-parent-watch", daemon=True).start()
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
@@ -93,6 +95,22 @@ def run_engine_core(engine_args: dict, input_addr: str, output_addr: str) -> Non
     commands.close(linger=0)
     outputs.close()              # (lingers: the last outputs reach the parent)
     ctx.destroy(linger=0)        # and the compile thread's socket
+
+
+def renice_threads(increment: int) -> None:
+    """Add `increment` to the niceness of every thread of this process. Linux keeps a nice value per thread, and a
+    new thread inherits its creator's: the threads started from here on (OpenMP's workers, ZeroMQ's I/O thread)
+    follow this one, and the ones already running (importing torch starts one) are changed one by one."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except FileNotFoundError:          # no /proc: the process-wide call is all there is
+        os.nice(increment)
+        return
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+        except ProcessLookupError:     # that thread has ended meanwhile
+            pass
 
 
 def _exit_with_parent() -> None:

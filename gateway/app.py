@@ -224,7 +224,7 @@ async def _load_engine(settings: Settings):
     if settings.data_parallel_size > 1 or settings.engine_process:
         from gateway.router import Router
         make = lambda: Router.start(settings.data_parallel_size, settings.model, settings.engine_args,  # noqa: E731
-                                    policy=settings.router)
+                                    policy=settings.router, beside_audio=settings.audio)
     else:
         make = lambda: AsyncEngine(model=settings.model, **settings.engine_args)  # noqa: E731
     engine = await _alive(asyncio.to_thread(make), "model", start)

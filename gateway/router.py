@@ -27,13 +27,30 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from engine.block_manager import hash_block
-from engine.core_client import EngineCoreClient, replica_engine_args
+from engine.core_client import EngineCoreClient, ProcessLauncher, replica_engine_args
 from engine.errors import EngineDeadError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("rtserve.router")
 POLICIES = ("affinity", "round-robin")
 _SUMMED_NOT = ("kv_page_size",)     # per-replica values that are the same everywhere, not amounts
+
+
+# How engine cores in child processes share this host's CPUs with the audio stage of this process (Whisper, piper, the
+# event loop). A voice turn goes through Whisper, then the LLM, then TTS, and at 8 simultaneous turns the CPUs are
+# short: Whisper's queue and the first sentence's synthesis are what the turns wait on. Across two processes nothing
+# ordered the core's threads behind them, and its OpenMP worker spins (busy-waits) between parallel regions for as
+# long as libgomp's default spin count, taking a CPU from them whenever the core's main thread is descheduled. So the
+# cores run nicer than the audio threads (which preempt them when they wake, and leave them every CPU when idle), and
+# their OpenMP workers spin for fewer iterations before they sleep: still enough to bridge the gaps between a step's
+# parallel regions, so a step is not slower for it.
+CORE_NICE_BESIDE_AUDIO = 10
+CORE_ENV_BESIDE_AUDIO = {"GOMP_SPINCOUNT": "10000"}
+
+
+def audio_first_launcher(args: dict) -> ProcessLauncher:
+    """A child-process launcher for a core that shares the CPUs with this process's audio stage."""
+    return ProcessLauncher(nice=CORE_NICE_BESIDE_AUDIO, env=dict(CORE_ENV_BESIDE_AUDIO))
 
 
 @dataclass(slots=True, eq=False)
@@ -90,10 +107,13 @@ class Router:
     @classmethod
     def start(cls, data_parallel_size: int, model: str | None = None, engine_args: dict | None = None,
               policy: str = "affinity", launcher: Callable[[dict], object] | None = None,
-              **router_args) -> "Router":
+              beside_audio: bool = False, **router_args) -> "Router":
         """Start `data_parallel_size` engine cores (in parallel; blocking), each with its share of the CPU threads:
-        child processes of this one, or where `launcher(replica_engine_args)` puts each (engine/ray_core.py)."""
+        child processes of this one, or where `launcher(replica_engine_args)` puts each (engine/ray_core.py).
+        `beside_audio`: this process runs the audio stage on the same CPUs (see `audio_first_launcher`)."""
         args = replica_engine_args(dict(engine_args or {}), data_parallel_size)
+        if launcher is None and beside_audio:
+            launcher = audio_first_launcher
         engines: list = [None] * data_parallel_size
         errors: list[BaseException] = []
 

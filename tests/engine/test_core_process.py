@@ -109,6 +109,18 @@ async def test_a_killed_core_fails_its_streams_and_is_started_again(core):
         os.kill(first_pid, 0)
 
 
+def test_the_default_launcher_starts_the_core_as_this_process_runs(core):
+    """Nicer and with an environment of its own only when asked (gateway/router.py asks beside the audio stage)."""
+    nices = set()
+    for tid in os.listdir(f"/proc/{core.pid}/task"):
+        with open(f"/proc/{core.pid}/task/{tid}/stat") as f:
+            nices.add(int(f.read().rsplit(")", 1)[1].split()[16]))     # field 19: nice
+    with open(f"/proc/{core.pid}/environ") as f:
+        env = dict(kv.split("=", 1) for kv in f.read().split("\0") if "=" in kv)
+    assert nices == {os.nice(0)}
+    assert env.get("GOMP_SPINCOUNT") == os.environ.get("GOMP_SPINCOUNT")
+
+
 def test_the_core_exits_with_its_parent(tmp_path):
     """A parent killed with SIGKILL runs no cleanup: the core notices on its own and exits."""
     script = ("from engine.core_client import EngineCoreClient\n"

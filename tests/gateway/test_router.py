@@ -170,3 +170,43 @@ async def test_a_killed_replica_ends_only_its_session_and_comes_back(dp_server):
     for raw in (fresh, kept):
         await raw.ws.close()
     await dp_server.wait_idle()
+
+
+def core_nices_and_env(pid: int) -> tuple[set[int], dict[str, str]]:
+    """The nice value of every thread of process `pid`, and its environment."""
+    nices = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            nices.add(int(f.read().rsplit(")", 1)[1].split()[16]))     # field 19: nice
+    with open(f"/proc/{pid}/environ") as f:
+        env = dict(kv.split("=", 1) for kv in f.read().split("\0") if "=" in kv)
+    return nices, env
+
+
+@pytest.mark.parametrize("audio", [True, False])
+async def test_engine_cores_beside_the_audio_stage_run_behind_it(audio):
+    """`rtserve serve --engine-process` with the audio stage on: the core's every thread runs CORE_NICE_BESIDE_AUDIO
+    nicer than the gateway and its environment carries CORE_ENV_BESIDE_AUDIO (this process's is unchanged), and it
+    serves; without the audio stage the core runs as the gateway does."""
+    from engine import SamplingParams
+    from gateway.app import Settings, _load_engine
+    from gateway.router import CORE_ENV_BESIDE_AUDIO, CORE_NICE_BESIDE_AUDIO
+
+    ours = os.nice(0)
+    env_before = dict(os.environ)
+    router = await _load_engine(Settings(engine_process=True, audio=audio, engine_args={"kv_cache_memory": "16MiB"}))
+    try:
+        assert dict(os.environ) == env_before
+        nices, env = core_nices_and_env(router.replicas[0].engine.pid)
+        if audio:
+            assert nices == {min(19, ours + CORE_NICE_BESIDE_AUDIO)}
+            assert CORE_ENV_BESIDE_AUDIO.items() <= env.items()
+        else:
+            assert nices == {ours}
+            assert all(env.get(k) == os.environ.get(k) for k in CORE_ENV_BESIDE_AUDIO)
+        ids = router.tokenizer.encode("The capital of France is", add_special_tokens=False)
+        outs = [o async for o in router.generate(None, ids, SamplingParams(temperature=0, max_tokens=4,
+                                                                           ignore_eos=True))]
+        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 4
+    finally:
+        router.shutdown()
