@@ -226,22 +226,13 @@ def start_server(port: int, prefix_cache: bool, extra: list[str]) -> subprocess.
     if not prefix_cache:
         cmd.append("--no-prefix-caching")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    progress = report.Progress(f"starting rtserve serve{'' if prefix_cache else ' --no-prefix-caching'}")
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
-        try:
-            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-            if r.status_code == 200:
-                progress.close("ready")
-                return proc
-            progress.update(note=f"({r.json().get('stage') or 'loading'})")
-        except (httpx.HTTPError, ValueError, AttributeError):
-            progress.update()
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become ready")
+    try:
+        report.wait_until_ready(proc, port, f"starting rtserve serve{'' if prefix_cache else ' --no-prefix-caching'}",
+                                600, lambda: proc.stderr.read()[-2000:])
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

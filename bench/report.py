@@ -89,6 +89,29 @@ class Progress:
             self.stream.flush()
 
 
+def wait_until_ready(proc: subprocess.Popen, port: int, label: str, timeout_s: float, why) -> None:
+    """Poll a started `rtserve serve` on `port` until /health answers 200, with a progress line (`label`) showing its
+    loading stage. Raises RuntimeError if the process exits first (with `why()`: the tail of its log) or the timeout
+    passes (the process is left to the caller)."""
+    import httpx
+
+    progress = Progress(label)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {why()}")
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            if r.status_code == 200:
+                progress.close("ready")
+                return
+            progress.update(note=f"({r.json().get('stage') or 'loading'})")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            progress.update()
+        time.sleep(0.5)
+    raise RuntimeError("server did not become ready")
+
+
 def stage(message: str) -> None:
     """A one-off line on stderr (what is starting, what is loaded), next to the progress lines."""
     print(message, file=sys.stderr, flush=True)

@@ -270,23 +270,17 @@ def start_server(config: ServerConfig, common: list[str], port: int, log) -> sub
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level", "warning", *common,
            *config.args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=config.pythonpath)
-    progress = report.Progress(f"starting {config.name}: rtserve serve {' '.join([*common, *config.args])}")
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"server {config.name} exited: {log.read()[-2000:].decode(errors='replace')}")
-        try:
-            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-            if r.status_code == 200:
-                progress.close("ready")
-                return proc
-            progress.update(note=f"({r.json().get('stage') or 'loading'})")
-        except (httpx.HTTPError, ValueError, AttributeError):
-            progress.update()
-        time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"server {config.name} did not become ready")
+
+    def why() -> str:
+        log.seek(0)
+        return log.read()[-2000:].decode(errors="replace")
+    try:
+        label = f"starting {config.name}: rtserve serve {' '.join([*common, *config.args])}"
+        report.wait_until_ready(proc, port, label, 900, why)
+    except RuntimeError as exc:
+        stop_server(proc)
+        raise RuntimeError(f"{config.name}: {exc}") from None
+    return proc
 
 
 def stop_server(proc: subprocess.Popen) -> None:

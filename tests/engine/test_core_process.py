@@ -15,6 +15,7 @@ import pytest
 from engine import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
 from engine.core_client import EngineCoreClient
 from engine.errors import EngineDeadError, RequestFailedError
+from tests.engine.procinfo import thread_nices_and_env
 
 PROMPTS = ["Question 1: name a fruit and describe it.", "Question 2: name a river and describe it.",
            "Question 3: name a bird and describe it."]
@@ -111,12 +112,7 @@ async def test_a_killed_core_fails_its_streams_and_is_started_again(core):
 
 def test_the_default_launcher_starts_the_core_as_this_process_runs(core):
     """Nicer and with an environment of its own only when asked (gateway/router.py asks beside the audio stage)."""
-    nices = set()
-    for tid in os.listdir(f"/proc/{core.pid}/task"):
-        with open(f"/proc/{core.pid}/task/{tid}/stat") as f:
-            nices.add(int(f.read().rsplit(")", 1)[1].split()[16]))     # field 19: nice
-    with open(f"/proc/{core.pid}/environ") as f:
-        env = dict(kv.split("=", 1) for kv in f.read().split("\0") if "=" in kv)
+    nices, env = thread_nices_and_env(core.pid)
     assert nices == {os.nice(0)}
     assert env.get("GOMP_SPINCOUNT") == os.environ.get("GOMP_SPINCOUNT")
 

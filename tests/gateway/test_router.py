@@ -15,6 +15,7 @@ import websockets
 from openai import AsyncOpenAI
 
 from tests.conftest import Server, _serve
+from tests.engine.procinfo import thread_nices_and_env
 from tests.gateway.realtime.client import open_raw
 
 ENGINE_ARGS = {"kv_cache_memory": "64MiB", "num_threads": 2}    # one thread per replica, as the reference has
@@ -172,17 +173,6 @@ async def test_a_killed_replica_ends_only_its_session_and_comes_back(dp_server):
     await dp_server.wait_idle()
 
 
-def core_nices_and_env(pid: int) -> tuple[set[int], dict[str, str]]:
-    """The nice value of every thread of process `pid`, and its environment."""
-    nices = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            nices.add(int(f.read().rsplit(")", 1)[1].split()[16]))     # field 19: nice
-    with open(f"/proc/{pid}/environ") as f:
-        env = dict(kv.split("=", 1) for kv in f.read().split("\0") if "=" in kv)
-    return nices, env
-
-
 @pytest.mark.parametrize("audio", [True, False])
 async def test_engine_cores_beside_the_audio_stage_run_behind_it(audio):
     """`rtserve serve --engine-process` with the audio stage on: the core's every thread runs CORE_NICE_BESIDE_AUDIO
@@ -197,7 +187,7 @@ async def test_engine_cores_beside_the_audio_stage_run_behind_it(audio):
     router = await _load_engine(Settings(engine_process=True, audio=audio, engine_args={"kv_cache_memory": "16MiB"}))
     try:
         assert dict(os.environ) == env_before
-        nices, env = core_nices_and_env(router.replicas[0].engine.pid)
+        nices, env = thread_nices_and_env(router.replicas[0].engine.pid)
         if audio:
             assert nices == {min(19, ours + CORE_NICE_BESIDE_AUDIO)}
             assert CORE_ENV_BESIDE_AUDIO.items() <= env.items()
