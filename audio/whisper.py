@@ -386,21 +386,25 @@ def _quantize_linears(model) -> tuple[torch.Tensor, torch.Tensor] | None:
     the encoder's GEMMs, most of a short turn's transcription, and the decoder's per-token GEMVs, where the 51864-wide
     projection reads half the bytes of bf16. Where the kernel takes only decode-sized batches (bf16 tiles on AMX, or
     fp32 FMAs), larger ones keep the dense weights (`_q8_forward`)."""
-    if kernels.packed_isa() is kernels.Isa.NONE:
+    isa = kernels.packed_isa()
+    if isa is kernels.Isa.NONE:
         return None
+    any_rows = isa in kernels.GGUF_ANY_ROWS   # decided once: the blocks are packed for this instruction set
     for lin in model.model.modules():
         if isinstance(lin, torch.nn.Linear) and lin is not model.proj_out:
             if kernels.weight_isa(lin.weight.to(torch.bfloat16)) is not kernels.Isa.NONE:
-                lin.forward = functools.partial(_q8_forward, lin, kernels.pack_gguf(*kernels.quantize_q8_0(lin.weight)))
+                blocks = kernels.pack_gguf(*kernels.quantize_q8_0(lin.weight))
+                lin.forward = functools.partial(_q8_forward, lin, blocks, any_rows)
     w = model.proj_out.weight.detach()
     pad = -w.shape[0] % 32
     w = torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
     return kernels.pack_gguf(*kernels.quantize_q8_0(w))
 
 
-def _q8_forward(lin: torch.nn.Linear, blocks: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _q8_forward(lin: torch.nn.Linear, blocks: tuple[torch.Tensor, torch.Tensor], any_rows: bool,
+                x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if rows > kernels.PACKED_MAX_ROWS and kernels.packed_isa() not in kernels.GGUF_ANY_ROWS:
+    if rows > kernels.PACKED_MAX_ROWS and not any_rows:
         return torch.nn.functional.linear(x, lin.weight, lin.bias)
     y = kernels.linear_gguf(x.reshape(rows, x.shape[-1]).to(torch.bfloat16), *blocks, lin.bias)
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
