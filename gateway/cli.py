@@ -325,10 +325,11 @@ def serve(argv: list[str], ns: argparse.Namespace | None = None) -> int:
 def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
     import uvicorn
 
-    from gateway import logs
+    from gateway import logs, memory
     from gateway.app import WS_MAX_SIZE, create_app, drain
 
     logs.configure(ns.log_level, ns.log_format)
+    memory.fix_thresholds()   # before the threads that allocate start
     settings = server_settings(ns, args, f"http://{ns.host}:{sock.getsockname()[1]}")
     if ns.ray:
         from gateway import ray_app

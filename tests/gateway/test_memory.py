@@ -7,6 +7,8 @@ and the resident size comes back to within 50 MiB of the baseline."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import httpx
@@ -14,10 +16,11 @@ import orjson
 import pytest
 import websockets
 
+from gateway import memory
 from gateway.realtime.limits import MAX_CONVERSATION_BYTES, MAX_ITEM_BYTES
 from gateway.realtime.session import SessionLimits
 from tests.conftest import _free_port
-from tests.gateway.test_shutdown import Process
+from tests.gateway.test_shutdown import ROOT, Process
 
 MIB = 1024 * 1024
 MARGIN_MIB = 50   # how far above its baseline the server may stay after each case
@@ -191,3 +194,37 @@ async def test_memory_comes_back_after_each_big_case(served):
         assert after <= baseline + MARGIN_MIB, report
     await turn(served.ws_url)   # and it still serves
     print(f"baseline {baseline:.0f} MiB; " + "; ".join(report))
+
+
+# A worker thread frees 44 MiB at the top of its own arena, after a 30 MiB block (mmapped) raised glibc's thresholds.
+ARENA_TOP = """
+import ctypes, sys, threading
+from gateway import memory
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+MIB = 1 << 20
+rss = lambda: int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
+if sys.argv[1] == "fixed":
+    assert memory.fix_thresholds()
+def work():
+    big = libc.malloc(30 * MIB); ctypes.memset(big, 1, 30 * MIB); libc.free(big)
+    blocks = [libc.malloc(MIB) for _ in range(44)]
+    for b in blocks: ctypes.memset(b, 1, MIB)
+    for b in reversed(blocks): libc.free(b)
+base = rss()
+t = threading.Thread(target=work); t.start(); t.join()
+memory.release_free_memory()
+print(rss() - base)
+"""
+TRIM_MIB = memory.TRIM_THRESHOLD_BYTES / MIB
+
+
+@pytest.mark.parametrize("thresholds", ["glibc's", "fixed"])
+def test_a_worker_threads_arena_gives_back_its_free_top(thresholds):
+    """malloc_trim cannot cut a thread arena's free top; glibc's own thresholds, raised by the big block, let it stay
+    resident, and with the server's fixed ones (memory.fix_thresholds, at start) a free cuts it down to at most the
+    trim threshold."""
+    out = subprocess.run([sys.executable, "-c", ARENA_TOP, thresholds], cwd=ROOT, capture_output=True, text=True,
+                         check=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}).stdout
+    kept = float(out)
+    assert (kept <= TRIM_MIB + 1) if thresholds == "fixed" else (kept > 40), kept
