@@ -286,12 +286,13 @@ def _structured_param(exc: InvalidRequestError, source: str | None) -> tuple[str
 def _sampling(req: hm.SamplingFields, engine, prompt_len: int,
               structured: tuple[StructuredOutputsParams | None, str | None],
               tool_req: tl.ToolRequest | None = None, tool_call_parser: str = "hermes",
-              defaults: dict | None = None) -> SamplingParams:
-    """A validated request -> SamplingParams; without a client cap the output may fill the rest of the context."""
+              defaults: dict | None = None, prompt_param: str | None = None) -> SamplingParams:
+    """A validated request -> SamplingParams for one prompt (`prompt_param` names it in errors); without a client cap
+    the output may fill the rest of the context."""
     defaults = defaults or {}
     context = engine.max_model_len
     room = context - prompt_len
-    prompt_param = "messages" if isinstance(req, hm.ChatCompletionRequest) else "prompt"
+    prompt_param = prompt_param or ("messages" if isinstance(req, hm.ChatCompletionRequest) else "prompt")
     if room < 1:
         raise HTTPError(400, f"This model's maximum context length is {context} tokens; the prompt ({prompt_len} "
                              f"tokens) does not fit it with room for an output token.", "context_length_exceeded",
@@ -394,8 +395,8 @@ def _tool_fields(m, i: int, earlier: list[dict]) -> dict:
     return {}
 
 
-def _completion_prompt(prompt: str | list[int], renderer) -> list[int]:
-    return prompt if isinstance(prompt, list) else renderer.encode(prompt) if prompt else []
+def _completion_prompts(prompts: list[str | list[int]], renderer) -> list[list[int]]:
+    return [prompt if isinstance(prompt, list) else renderer.encode(prompt) if prompt else [] for prompt in prompts]
 
 
 @endpoint
@@ -434,36 +435,43 @@ async def _complete(request: Request, chat: bool) -> Response:
         except InvalidRequestError as exc:
             raise HTTPError(400, str(exc), "invalid_value", exc.param) from None
         _check_chars(_chat_chars(req, tool_req) + sum(map(len, history.values())), engine, "messages")
-        prompt_ids = await asyncio.to_thread(_chat_prompt, req, state.renderer, tool_req, history)
+        batch = [await asyncio.to_thread(_chat_prompt, req, state.renderer, tool_req, history)]
+        params_of = ["messages"]
     else:
         try:
-            prompt = req.single_prompt()
+            prompts = req.prompts()
         except hm.RequestValidationError as exc:
             raise HTTPError(400, exc.message, exc.code, exc.param) from None
-        if isinstance(prompt, str):
-            _check_chars(len(prompt), engine, "prompt")
-        prompt_ids = await asyncio.to_thread(_completion_prompt, prompt, state.renderer)
-    if len(body) >= memory.BIG_BYTES or len(prompt_ids) >= memory.BIG_PROMPT_TOKENS:   # (their copies are free again)
-        memory.release_soon()
-    if not prompt_ids:
-        raise HTTPError(400, "The prompt is empty.", "invalid_value", "messages" if chat else "prompt")
+        params_of = ["prompt"] if len(prompts) == 1 else [f"prompt[{k}]" for k in range(len(prompts))]
+        for prompt, param in zip(prompts, params_of):
+            if isinstance(prompt, str):
+                _check_chars(len(prompt), engine, param)
+        batch = await asyncio.to_thread(_completion_prompts, prompts, state.renderer)
+    if len(body) >= memory.BIG_BYTES or sum(map(len, batch)) >= memory.BIG_PROMPT_TOKENS:   # (their copies are free
+        memory.release_soon()                                                                # again)
     structured = _structured(req)
-    params = _sampling(req, engine, len(prompt_ids), structured, tool_req, state.tool_call_parser,
-                       state.sampling_defaults)
-    if req.logprobs:   # chat: a boolean with top_logprobs; completions: the number of top entries
-        params.logprobs = (req.top_logprobs or 0) if chat else req.logprobs
+    prompt_params = []
+    for prompt_ids, param in zip(batch, params_of):
+        if not prompt_ids:
+            raise HTTPError(400, "The prompt is empty.", "invalid_value", param)
+        params = _sampling(req, engine, len(prompt_ids), structured, tool_req, state.tool_call_parser,
+                           state.sampling_defaults, param)
+        if req.logprobs:   # chat: a boolean with top_logprobs; completions: the number of top entries
+            params.logprobs = (req.top_logprobs or 0) if chat else req.logprobs
+        prompt_params.append((prompt_ids, params))
     parse_tools = tool_req is not None and tool_req.active
     rid = p.new_id("chatcmpl" if chat else "cmpl")
     created = int(time.time())
     model = req.model
     timer = LatencyTimer(state.metrics, "http", asyncio.get_running_loop().time(), request_timing(request))
-    choices = await _start_choices(request, engine, rid, prompt_ids, params, req.n or 1, req.cache_salt,
+    n = req.n or 1
+    choices = await _start_choices(request, engine, rid, prompt_params, n, req.cache_salt,
                                    "tools" if parse_tools else structured[1])
     new_parser = (lambda: tl.new_tool_parser(state.tool_call_parser)) if parse_tools else None
-    tokenizer = engine.tokenizer if params.logprobs is not None else None
+    tokenizer = engine.tokenizer if req.logprobs else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(choices, rid, created, model, chat, include_usage, timer, new_parser,
+        return StreamingResponse(_stream(choices, n, rid, created, model, chat, include_usage, timer, new_parser,
                                          tokenizer, spoken, state.streams_cut),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
@@ -489,7 +497,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         else:
             lp = hl.completion_logprobs(tokenizer, token_ids, logprobs, 0)[0] if tokenizer else None
             out_choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
-    usage = _usage([out for _, out, _, _ in done], [len(ids) for _, _, ids, _ in done])
+    usage = _usage([out for _, out, _, _ in done], [len(ids) for _, _, ids, _ in done], n)
     record_usage(timer.timing, usage)
     return json_response({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                           "model": model, "choices": out_choices, "usage": usage})
@@ -519,23 +527,23 @@ def _engine_failure(exc: EngineError) -> HTTPError:
     return HTTPError(500, "The engine failed while serving this request.", "engine_error", type="server_error")
 
 
-async def _start_choices(request: Request, engine, rid: str, prompt_ids: list[int], params: SamplingParams, n: int,
+async def _start_choices(request: Request, engine, rid: str, prompts: list[tuple[list[int], SamplingParams]], n: int,
                          cache_salt: str | None, source: str | None) -> list[tuple]:
-    """Start the request's n engine requests; (generator, first output) for each. The first runs alone until its
-    first output, so its prompt's full blocks are in the prefix cache when the others are admitted and they compute
-    only what is left. A prompt error (raised before the first output) is a 400, not a broken stream."""
-    choices = []
+    """Start n engine requests for each (prompt ids, params); (generator, first output) for each, choice k * n + j
+    being prompt k's sample j. Each prompt's first sample runs (beside the other prompts' first samples) until its
+    first output, so that its prompt's full blocks are in the prefix cache when its other samples are admitted and
+    they compute only what is left. A prompt error (raised before the first output) is a 400, not a broken stream."""
+    choices: list[list] = []
     try:
-        for i in range(n):
-            sp = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+        for i in range(len(prompts) * n):
+            prompt_ids, params = prompts[i // n]
+            j = i % n
+            sp = params if j == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + j)
             choices.append([engine.generate(rid if i == 0 else f"{rid}-{i}", prompt_ids, sp, priority=HTTP_PRIORITY,
                                             cache_salt=cache_salt), None])
-            if i == 0:
-                choices[0][1] = await unless_gone(request, anext(choices[0][0]))
+        await _firsts(request, [c for i, c in enumerate(choices) if i % n == 0])
         if n > 1:
-            firsts = await unless_gone(request, asyncio.gather(*(anext(g) for g, _ in choices[1:])))
-            for c, first in zip(choices[1:], firsts):
-                c[1] = first
+            await _firsts(request, [c for i, c in enumerate(choices) if i % n])
     except BaseException as exc:
         for gen, _ in choices:   # abort the ones that started
             await gen.aclose()
@@ -547,6 +555,21 @@ async def _start_choices(request: Request, engine, rid: str, prompt_ids: list[in
             raise _engine_failure(exc) from None
         raise
     return [tuple(c) for c in choices]
+
+
+async def _firsts(request: Request, choices: list[list]) -> None:
+    """Each [generator, None] gets its first output; on an error (or the client gone) the others' waits are
+    cancelled before it is raised, so that their generators can be closed."""
+    tasks = [asyncio.ensure_future(anext(gen)) for gen, _ in choices]
+    try:
+        firsts = await unless_gone(request, asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    for c, first in zip(choices, firsts):
+        c[1] = first
 
 
 async def _collect_all(choices: list[tuple], timer) -> list[tuple]:
@@ -579,13 +602,12 @@ async def _collect(gen, first, timer) -> tuple[str, Any, list[int], list]:
     return "".join(text), out, token_ids, logprobs
 
 
-def _usage(lasts: list, n_outs: list[int]) -> dict:
-    """OpenAI's usage for n choices of one prompt: the prompt counted once, the completions summed."""
-    first = lasts[0]
-    completion = sum(n_outs)
-    return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.num_prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
+def _usage(lasts: list, n_outs: list[int], n: int) -> dict:
+    """OpenAI's usage for n choices of each prompt: each prompt counted once, the completions summed."""
+    firsts = lasts[::n]
+    prompt, completion = sum(f.num_prompt_tokens for f in firsts), sum(n_outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in firsts)}}
 
 
 SPOKEN = -1   # the index _merged gives the spoken reply's audio
@@ -645,7 +667,7 @@ async def _merged(choices: list[tuple], audio=None, cut: asyncio.Event | None = 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _stream(choices: list[tuple], rid: str, created: int, model: str, chat: bool, include_usage: bool, timer,
+async def _stream(choices: list[tuple], n_per_prompt: int, rid: str, created: int, model: str, chat: bool, include_usage: bool, timer,
                   new_parser=None, tokenizer=None, spoken=None, cut: asyncio.Event | None = None):
     """SSE chunks of the n choices, interleaved as they come; if the client goes away the generators are closed,
     which aborts the engine requests. With a tool parser, text goes through it: content as `delta.content`, calls as
@@ -750,7 +772,7 @@ async def _stream(choices: list[tuple], rid: str, created: int, model: str, chat
             expires_at = spoken.remember(audio_id, reply.transcript)
             yield chunk(0, {"audio": {"expires_at": expires_at}}, None)
         yield chunk(0, None, held_reason)
-    usage = _usage(lasts, n_outs)
+    usage = _usage(lasts, n_outs, n_per_prompt)
     record_usage(timer.timing, usage)
     if include_usage:
         yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP = 16                 # stop sequences per request
+MAX_CHOICES = 128             # choices per request: n, or a completion batch's prompts × n
 MAX_STOP_CHARS = 1024         # characters per stop sequence
 MAX_CACHE_SALT_CHARS = 1024
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule for function and schema names
@@ -257,7 +258,7 @@ class SamplingFields(Strict):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: Stop = None
@@ -327,17 +328,21 @@ class CompletionRequest(SamplingFields):
     def output_limit(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: a string or token ids (a one-element batch of either is taken as that element)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: a string or an array of token ids, or a batch (an array) of either. Each prompt gets `n`
+        choices, indexed prompt by prompt (choice k * n + j is prompt k's sample j), as OpenAI and vLLM do."""
         p = self.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]
-        if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
-            return p
-        if isinstance(p, list) and not p:
+        if not p:
             raise RequestValidationError("Invalid 'prompt': must not be empty.", "prompt", "invalid_value")
-        raise RequestValidationError("Invalid 'prompt': one prompt per request (a string or an array of token ids); "
-                                     "batches of prompts are not supported.", "prompt", "unsupported_value")
+        if isinstance(p, str) or all(isinstance(t, int) for t in p):
+            return [p]
+        if not all(isinstance(x, (str, list)) for x in p):
+            raise RequestValidationError("Invalid 'prompt': an array of token ids or an array of prompts, not a mix "
+                                         "of both.", "prompt", "invalid_value")
+        if len(p) * (self.n or 1) > MAX_CHOICES:
+            raise RequestValidationError(f"Invalid 'prompt': at most {MAX_CHOICES} completions per request (prompts "
+                                         f"× n), got {len(p)} × {self.n or 1}.", "prompt", "invalid_value")
+        return list(p)
 
 # ---- parsing and errors -----------------------------------------------------------------------------------------
 
@@ -432,8 +437,8 @@ def _shown(v: Any) -> str:
     """A short JSON rendering of the client's value for a message."""
     try:
         text = orjson.dumps(v).decode()
-    except TypeError:
-        text = "a value"
+    except TypeError:   # orjson writes no integer beyond 64 bits
+        text = str(v) if isinstance(v, int) else "a value"
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -63,6 +63,49 @@ async def test_completions_and_models(server):
     assert models.data[0].id == server.engine.model_name and "whisper-1" in [m.id for m in models.data]
 
 
+async def test_completions_answer_a_batch_of_prompts(server):
+    """`prompt` as an array of prompts (strings or token-id arrays), as the SDK types it and vLLM serves it: n choices
+    per prompt, choice k * n + j being prompt k's sample j, and usage counting each prompt once."""
+    c = client(server)
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a"]
+    alone = [await c.completions.create(model=MODEL, prompt=text, max_tokens=4, temperature=0) for text in prompts]
+    resp = await c.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0, n=2)
+    assert [ch.index for ch in resp.choices] == list(range(6))
+    assert all("Paris" in ch.text for ch in resp.choices[:2]) and all(" 5" in ch.text for ch in resp.choices[2:4])
+    assert all(ch.text and ch.finish_reason == "length" for ch in resp.choices)
+    assert resp.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert resp.usage.completion_tokens == 6 * 4
+
+    ids = [[504, 3458, 282], [19556]]
+    texts, reasons, usage = {}, {}, None
+    async for chunk in await c.completions.create(model=MODEL, prompt=ids, max_tokens=3, seed=1, stream=True,
+                                                  stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                reasons[ch.index] = ch.finish_reason
+    assert set(texts) == set(reasons) == {0, 1} and all(texts.values())
+    assert usage.prompt_tokens == 4 and usage.completion_tokens == 6
+
+    async with httpx.AsyncClient(timeout=60) as h:
+        async def refused(prompt, **kw) -> dict:
+            r = await h.post(f"{server.base_url}/completions", json={"model": MODEL, "prompt": prompt,
+                                                                      "max_tokens": 2, **kw})
+            assert r.status_code == 400, r.text
+            return r.json()["error"]
+        assert (await refused(["a", 7]))["param"] == "prompt"          # strings and token ids mixed
+        assert (await refused(["a", ""]))["param"] == "prompt[1]"
+        assert (await refused(["a", []]))["param"] == "prompt[1]"
+        assert (await refused(["a"] * 65, n=2))["param"] == "prompt"   # more than 128 choices
+        err = await refused(["a", " b" * 9000])                       # one prompt of the batch over the context
+        assert err["param"] == "prompt[1]" and err["code"] == "context_length_exceeded"
+        # refused by the engine as it starts, beside a prompt that is running: that one is aborted
+        assert "token ids" in (await refused(["The sky is", [10**6]], max_tokens=64))["message"]
+    resp = await c.completions.create(model=MODEL, prompt=prompts[:1], max_tokens=4, temperature=0)
+    assert "Paris" in resp.choices[0].text
+
+
 async def test_http_errors_and_auth(server):
     c = client(server)
     with pytest.raises(openai.BadRequestError) as info:
@@ -74,6 +117,8 @@ async def test_http_errors_and_auth(server):
     async with httpx.AsyncClient() as h:
         r = await h.post(f"{server.base_url}/chat/completions", content=b"{oops")
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        r = await h.post(f"{server.base_url}/completions", json={"model": MODEL, "prompt": "Hi", "seed": 2**70})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed" and str(2**70) in r.text   # > 64 bits
         assert (await h.get(f"{server.root_url}/health")).json()["status"] == "ok"
     keyed = f"http://{server.auth_prefix}/v1"
     with pytest.raises(openai.AuthenticationError):

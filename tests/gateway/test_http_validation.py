@@ -112,7 +112,7 @@ UNSUPPORTED_CHAT = [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": False, 
                      "messages[0].content[0].type")]
 UNSUPPORTED_COMPLETIONS = [({"echo": True}, "echo"),
                            ({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"),
-                           ({"prompt": ["one", "two"]}, "prompt"),
+                           ({"prompt": ["one", 2]}, "prompt"), ({"prompt": ["one", ""]}, "prompt[1]"),
                            ({"min_tokens": 5}, "min_tokens"), ({"max_tokens": None, "min_tokens": 10**6}, "min_tokens")]
 SDK_CHAT = set(inspect.signature(AsyncOpenAI(api_key="x").chat.completions.create).parameters)
 SDK_COMPLETIONS = set(inspect.signature(AsyncOpenAI(api_key="x").completions.create).parameters)
