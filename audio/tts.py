@@ -28,6 +28,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +56,11 @@ class TTSError(RuntimeError):
     """Synthesis failed or was asked for something it cannot do."""
 
     code = "tts_failed"
+
+
+# Control characters (C0 but tab and line ends, DEL, C1) and lone surrogates: espeak-ng takes a C string (a NUL ends
+# it, and Python refuses to pass one) and speaks none of them; they are read as spaces.
+_UNSPEAKABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def _session(path: str, intra_op_threads: int):
@@ -272,9 +278,8 @@ class SpeechStream:
                 raise TTSError(f"text must be a string, got {type(self.text).__name__}")
             if not MIN_SPEED <= float(self.speed) <= MAX_SPEED:
                 raise TTSError(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}], got {self.speed}")
-            voice = synth.voice
-            self._sentences = [voice.phonemes_to_ids(p) for p in voice.phonemize(self.text) if p] \
-                if self.text.strip() else []
+            voice, text = synth.voice, _UNSPEAKABLE.sub(" ", self.text)
+            self._sentences = [voice.phonemes_to_ids(p) for p in voice.phonemize(text) if p] if text.strip() else []
         if self._z is None:
             if not self._sentences:
                 self.done = True

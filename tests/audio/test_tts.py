@@ -43,6 +43,15 @@ def test_speed_changes_duration(synth):
     assert len(synth.synthesize("   ")) == 0
 
 
+def test_control_characters_are_read_as_spaces(synth):
+    """espeak-ng takes a C string: a NUL (or any control character, or a lone surrogate) in a reply or an
+    /v1/audio/speech input is spoken as a space, not a failed synthesis."""
+    plain = len(synth.synthesize("Hello world."))
+    for text in ("Hello\x00world.", "Hello\x1b world.", "Hello\ud800 world.", "Hello\x85world."):
+        assert abs(len(synth.synthesize(text)) - plain) < 0.2 * plain, repr(text)
+    assert len(synth.synthesize("\x00\x07")) == 0
+
+
 def test_session_output_formats(synth):
     # Piper samples its phoneme durations (noise_w), so two syntheses of one text differ in length: a CI run saw 2.18 s
     # and 1.73 s. The bounds still catch a wrong rate (8 kHz bytes read as 22.05 kHz is a factor 2.76).
