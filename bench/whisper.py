@@ -1,6 +1,6 @@
 """Whisper benchmark: word error rate and time per turn, the server's Whisper against the exact fp32 model.
 
-    rtserve bench whisper [--limit N] [--floors 500,400] [--threads 1] [--output FILE.json]
+    rtserve bench whisper [--limit N] [--floors 500,400] [--batches 1,2,4,8] [--threads 1] [--output FILE.json]
 
 Speech synthesized now, nothing recorded: the utterances of `rtserve bench turn` (its complete questions and
 statements, and its paused ones spoken through), by piper (joe-us with its own noise) and, for the complete ones, by
@@ -15,6 +15,9 @@ With `--floors`, the server's model also runs at those encoder-context floors (p
 Reported per model: WER over all clips, per voice, clips whose transcript runs past twice the reference's words
 (a loop), and the median encoder (features included) and decoder milliseconds per clip, on `--threads` threads
 (the server's Whisper worker uses one).
+With `--batches`, the server's encoder also runs on batches of that many clips (the server batches the turns that
+wait together): the median milliseconds per clip for each size, sizes interleaved group by group, and the ratio to a
+batch of one. It tells whether holding a turn back for company would make the encoder cheaper.
 """
 from __future__ import annotations
 
@@ -85,12 +88,30 @@ def summarize(name: str, results: list[tuple[str, str, str, float, float]]) -> d
     }
 
 
+def encoder_batches(model, data: list, sizes: list[int], rounds: int = 3) -> list[dict]:
+    """Median encoder milliseconds per clip (features included) at each batch size, sizes interleaved."""
+    audios = [a for _, _, a in data]
+    per_clip: dict[int, list[float]] = {b: [] for b in sizes}
+    for _ in range(rounds):
+        for start in range(0, len(audios) - max(sizes) + 1, max(sizes)):
+            for b in sizes:
+                group = audios[start:start + b]
+                t0 = time.perf_counter()
+                model.encode(model.features(group))
+                per_clip[b].append((time.perf_counter() - t0) / b)
+    one = statistics.median(per_clip[sizes[0]])
+    return [{"batch": b, "groups": len(per_clip[b]), "encoder_ms_per_clip": 1000 * statistics.median(per_clip[b]),
+             "vs_first": statistics.median(per_clip[b]) / one} for b in sizes]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rtserve bench whisper", description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=int, default=0, help="only the first N utterances of each set (0: all)")
     ap.add_argument("--floors", default="", help="comma-separated encoder-context floors (positions) to try on the "
                                                  "server's model as well, e.g. 400,300")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (the server's Whisper worker: 1)")
+    ap.add_argument("--batches", default="", help="comma-separated encoder batch sizes to time on the server's model, "
+                                                  "e.g. 1,2,4,8 (the first is the baseline of the ratios)")
     ap.add_argument("--output", metavar="FILE.json", help="write the summary and every transcript as JSON")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -99,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--floors must be comma-separated integers, got {args.floors!r}")
     if any(not 50 <= f <= 1500 for f in floors):
         ap.error("--floors must lie in 50..1500 positions (1 s to Whisper's 30 s window)")
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        ap.error(f"--batches must be comma-separated integers, got {args.batches!r}")
+    if any(not 1 <= b <= 32 for b in batches):
+        ap.error("--batches must lie in 1..32 clips")
 
     import torch
 
@@ -129,9 +156,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {s['model']} | {100 * s['wer']:.2f} % | "
               + " | ".join(f"{100 * s['wer_by_voice'][v]:.2f} %" for v in voices)
               + f" | {s['loops']} | {s['encoder_ms_p50']:.1f} | {s['decoder_ms_p50']:.1f} |")
+    batch_rows = []
+    if batches:
+        if len(data) < max(batches):
+            ap.error(f"--batches {max(batches)} needs at least that many clips, got {len(data)} (--limit)")
+        batch_rows = encoder_batches(models["server"][0], data, batches)
+        print("\n| encoder batch | groups | ms per clip (p50) | vs batch " + str(batches[0]) + " |")
+        print("|---:|---:|---:|---:|")
+        for r in batch_rows:
+            print(f"| {r['batch']} | {r['groups']} | {r['encoder_ms_per_clip']:.1f} | {r['vs_first']:.2f} |")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"summary": summary, "transcripts": {name: [r[:3] for r in rows]
+            json.dump({"summary": summary, "encoder_batches": batch_rows, "transcripts": {name: [r[:3] for r in rows]
                                                            for name, rows in results.items()}}, f, indent=1)
     return 0
 

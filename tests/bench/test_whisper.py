@@ -10,10 +10,14 @@ from bench import whisper
 
 def test_bench_whisper_reports_both_models(tmp_path, capsys):
     out = tmp_path / "w.json"
-    assert whisper.main(["--limit", "1", "--floors", "450", "--output", str(out)]) == 0
+    assert whisper.main(["--limit", "1", "--floors", "450", "--batches", "1,2", "--output", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| server |" in table and "| fp32 |" in table and "| server, floor 450 |" in table
+    assert "| encoder batch |" in table
     result = json.loads(out.read_text())
+    assert [r["batch"] for r in result["encoder_batches"]] == [1, 2]
+    assert result["encoder_batches"][0]["vs_first"] == 1 and all(r["encoder_ms_per_clip"] > 0 and r["groups"] == 3
+                                                                 for r in result["encoder_batches"])
     by_model = {s["model"]: s for s in result["summary"]}
     assert set(by_model) == {"server", "fp32", "server, floor 450"}
     for s in by_model.values():
@@ -22,8 +26,9 @@ def test_bench_whisper_reports_both_models(tmp_path, capsys):
     assert [ref for _, ref, _ in result["transcripts"]["server"]][0] == "What is the capital of France?"
 
 
-@pytest.mark.parametrize("floors", ["10", "x,400"])
-def test_bench_whisper_refuses_bad_floors(floors):
+@pytest.mark.parametrize("flags", [["--floors", "10"], ["--floors", "x,400"], ["--batches", "0"],
+                                   ["--batches", "1,x"]])
+def test_bench_whisper_refuses_bad_flags(flags):
     with pytest.raises(SystemExit) as exc:
-        whisper.main(["--floors", floors])
+        whisper.main(flags)
     assert exc.value.code == 2
