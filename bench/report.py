@@ -40,6 +40,19 @@ def parser(name: str, description: str | None, **kwargs) -> argparse.ArgumentPar
     return ap
 
 
+def int_list(lo: int, hi: int, what: str):
+    """An argparse type: comma-separated integers, each in lo..hi (`what` names them in the error); "" is []."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        if any(not lo <= v <= hi for v in values):
+            raise argparse.ArgumentTypeError(f"{what} must lie in {lo}..{hi}, got {text!r}")
+        return values
+    return parse
+
+
 def plot_path(args: argparse.Namespace) -> Path | None:
     if args.plot is None:
         return None

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from bench.report import int_list
 from bench.turn import COMPLETE, PAUSED
 
 
@@ -107,25 +108,16 @@ def encoder_batches(model, data: list, sizes: list[int], rounds: int = 3) -> lis
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rtserve bench whisper", description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=int, default=0, help="only the first N utterances of each set (0: all)")
-    ap.add_argument("--floors", default="", help="comma-separated encoder-context floors (positions) to try on the "
-                                                 "server's model as well, e.g. 400,300")
+    ap.add_argument("--floors", default="", type=int_list(50, 1500, "floors (1 s to Whisper's 30 s window)"),
+                    help="comma-separated encoder-context floors (positions) to try on the server's model as well, "
+                         "e.g. 400,300")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (the server's Whisper worker: 1)")
-    ap.add_argument("--batches", default="", help="comma-separated encoder batch sizes to time on the server's model, "
-                                                  "e.g. 1,2,4,8 (the first is the baseline of the ratios)")
+    ap.add_argument("--batches", default="", type=int_list(1, 32, "batch sizes (clips)"),
+                    help="comma-separated encoder batch sizes to time on the server's model, e.g. 1,2,4,8 (the first "
+                         "is the baseline of the ratios)")
     ap.add_argument("--output", metavar="FILE.json", help="write the summary and every transcript as JSON")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        floors = [int(f) for f in args.floors.split(",") if f.strip()]
-    except ValueError:
-        ap.error(f"--floors must be comma-separated integers, got {args.floors!r}")
-    if any(not 50 <= f <= 1500 for f in floors):
-        ap.error("--floors must lie in 50..1500 positions (1 s to Whisper's 30 s window)")
-    try:
-        batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    except ValueError:
-        ap.error(f"--batches must be comma-separated integers, got {args.batches!r}")
-    if any(not 1 <= b <= 32 for b in batches):
-        ap.error("--batches must lie in 1..32 clips")
+    floors, batches = args.floors, args.batches
 
     import torch
 

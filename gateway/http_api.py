@@ -667,8 +667,9 @@ async def _merged(choices: list[tuple], audio=None, cut: asyncio.Event | None = 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _stream(choices: list[tuple], n_per_prompt: int, rid: str, created: int, model: str, chat: bool, include_usage: bool, timer,
-                  new_parser=None, tokenizer=None, spoken=None, cut: asyncio.Event | None = None):
+async def _stream(choices: list[tuple], n_per_prompt: int, rid: str, created: int, model: str, chat: bool,
+                  include_usage: bool, timer, new_parser=None, tokenizer=None, spoken=None,
+                  cut: asyncio.Event | None = None):
     """SSE chunks of the n choices, interleaved as they come; if the client goes away the generators are closed,
     which aborts the engine requests. With a tool parser, text goes through it: content as `delta.content`, calls as
     `delta.tool_calls`. With a tokenizer, each chunk carries its tokens' logprobs. With `spoken` (one choice), the
