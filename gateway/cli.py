@@ -329,7 +329,7 @@ def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
     from gateway.app import WS_MAX_SIZE, create_app, drain
 
     logs.configure(ns.log_level, ns.log_format)
-    memory.fix_thresholds()   # before the threads that allocate start
+    memory.fix_thresholds()   # so that worker threads give big transient memory back (gateway/memory.py)
     settings = server_settings(ns, args, f"http://{ns.host}:{sock.getsockname()[1]}")
     if ns.ray:
         from gateway import ray_app
