@@ -79,6 +79,7 @@ def test_the_packed_kernel_multiplies_by_exactly_the_dense_weights():
 
 
 def test_each_batch_size_takes_its_kernel():
+    torch.manual_seed(0)   # the inputs: the last check's rounding error depends on the draw
     model = load_model(resolve_model_dir(None), torch.bfloat16, torch.device("cpu"))
     attach_gguf_linears(model, default_model_path(), resolve_model_dir(None))
     lin = model.layers[3].mlp.gate_up_proj
