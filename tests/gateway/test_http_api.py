@@ -78,7 +78,7 @@ async def test_completions_answer_a_batch_of_prompts(server):
 
     ids = [[504, 3458, 282], [19556]]
     texts, reasons, usage = {}, {}, None
-    async for chunk in await c.completions.create(model=MODEL, prompt=ids, max_tokens=3, seed=1, stream=True,
+    async for chunk in await c.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, stream=True,
                                                   stream_options={"include_usage": True}):
         usage = chunk.usage or usage
         for ch in chunk.choices:
