@@ -22,6 +22,7 @@ from ray import serve
 
 import kernels
 from engine.ray_core import RayLauncher
+from gateway import memory
 from gateway.app import Settings, create_app
 from gateway.router import Router
 
@@ -43,6 +44,7 @@ def start_router(settings: Settings) -> Router:
 @serve.ingress()
 class Gateway:
     async def __init__(self, settings: Settings) -> None:
+        memory.fix_thresholds()   # this replica's process, as `rtserve serve` does for its own
         self.settings = settings
         self.router = await asyncio.to_thread(start_router, settings)
 
