@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
     kernels.set_thread_count(args.threads)
     data = clips(args.limit)
+    if batches and len(data) < max(batches):   # before any model runs
+        ap.error(f"--batches {max(batches)} needs at least that many clips, got {len(data)} (--limit)")
     models = {"server": (WhisperModel.load(dtype=default_dtype()), None),
               "fp32": (WhisperModel.load(dtype=torch.float32), None)}
     for f in floors:
@@ -150,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
               + f" | {s['loops']} | {s['encoder_ms_p50']:.1f} | {s['decoder_ms_p50']:.1f} |")
     batch_rows = []
     if batches:
-        if len(data) < max(batches):
-            ap.error(f"--batches {max(batches)} needs at least that many clips, got {len(data)} (--limit)")
         batch_rows = encoder_batches(models["server"][0], data, batches)
         print("\n| encoder batch | groups | ms per clip (p50) | vs batch " + str(batches[0]) + " |")
         print("|---:|---:|---:|---:|")
@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['batch']} | {r['groups']} | {r['encoder_ms_per_clip']:.1f} | {r['vs_first']:.2f} |")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"summary": summary, "encoder_batches": batch_rows, "transcripts": {name: [r[:3] for r in rows]
-                                                           for name, rows in results.items()}}, f, indent=1)
+            transcripts = {name: [r[:3] for r in rows] for name, rows in results.items()}
+            json.dump({"summary": summary, "encoder_batches": batch_rows, "transcripts": transcripts}, f, indent=1)
     return 0
 
 
