@@ -5,8 +5,7 @@ between decoder steps it admits every segment that has arrived (log-mel + encode
 longest one's length plus padding, not the full 30 s window), and they join the rows already decoding, so
 transcriptions that start at different moments share their steps. Each row streams append-only text deltas back to
 its request's asyncio queue.  Segments longer than 30 s are transcribed window by window (each window a row that
-joins after the previous one ends). Rows already decoding go first: a segment that arrives meanwhile is encoded once
-they are done or after `ADMIT_AFTER_STEPS` steps, whichever comes first (then all waiting segments at once).  A consumer that goes away (cancelled, ``aclose``, garbage collected) flags its
+joins after the previous one ends).  A consumer that goes away (cancelled, ``aclose``, garbage collected) flags its
 request, and the worker drops the row before the next step.
 """
 
@@ -30,11 +29,6 @@ from .whisper import SAMPLE_RATE, WINDOW_SAMPLES, WhisperModel, get_whisper
 log = logging.getLogger(__name__)
 
 MIN_SAMPLES = SAMPLE_RATE // 100  # 10 ms: anything shorter is not a segment
-# Segments that arrive while rows are decoding wait this many decoder steps (or until the decoder is empty) before
-# their encoder pass. Admitting each at once made every transcription in flight wait for every newcomer's encoder, so
-# turns that paused close together all finished together, as late as the last; a short turn's rows end within a few
-# steps, so it is served first, and a long decode still holds newcomers back for no more than this.
-ADMIT_AFTER_STEPS = 12
 
 
 class TranscriptionError(RuntimeError):
@@ -150,7 +144,6 @@ class Transcriber:
         self.stats = TranscriberStats()
         self._pending: list[_Request] = []
         self._active: list[_Request] = []
-        self._waited_steps = 0  # decoder steps taken while segments were pending
         self._cv = threading.Condition()
         self._ids = itertools.count(1)
         self._closed = False
@@ -225,11 +218,8 @@ class Transcriber:
             if idle and self.batch_wait_s > 0:
                 time.sleep(self.batch_wait_s)  # requests of one tick (several sessions) share an encoder batch
             with self._cv:
-                admit = not self._active or self._waited_steps >= ADMIT_AFTER_STEPS
-                room = self.max_batch - len(self._active) if admit else 0
+                room = self.max_batch - len(self._active)
                 new, self._pending = self._pending[:room], self._pending[room:]
-                if new:
-                    self._waited_steps = 0
             new = [r for r in new if not self._drop_if_cancelled(r)]
             for r in [r for r in self._active if r.cancelled]:
                 self._drop_if_cancelled(r)
@@ -282,8 +272,6 @@ class Transcriber:
         t0 = time.perf_counter()
         rows = len(decoder.rows)
         produced = decoder.step()
-        if self._pending:
-            self._waited_steps += 1
         self.stats.decoder_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
         self.stats.decode_rows += rows

@@ -284,28 +284,8 @@ def test_rows_joining_a_running_decoder_decode_as_alone(clips):
     assert got == {k: v[1] for k, v in alone.items()} and max(rows_seen) == 3 and dec.cross is None
 
 
-async def test_a_short_turn_decoding_finishes_before_a_newcomer_is_encoded(transcriber, clips):
-    """A turn whose rows are decoding is not held back by the encoder pass of one that arrives meanwhile: its few
-    remaining steps (under ADMIT_AFTER_STEPS) run first, and the newcomer's text starts only after its final."""
-    order = []
-
-    async def read(name, stream):
-        async for _ in stream:
-            order.append((name, "delta"))
-        order.append((name, "final"))
-        return stream.text
-
-    first = transcriber.transcribe(clips["piper"])
-    await first.__anext__()  # its first token is out: the row is decoding
-    second = transcriber.transcribe(clips["espeak"])
-    texts = await asyncio.gather(read("first", first), read("second", second))
-    assert all(jiwer.wer(REF, _norm(t)) <= 0.2 for t in texts), texts
-    assert order.index(("first", "final")) < order.index(("second", "delta")), order
-
-
 async def test_a_late_request_joins_the_running_decoder(transcriber, clips):
-    """A transcription submitted while a long one decodes is encoded once it has waited ADMIT_AFTER_STEPS steps, and
-    decodes in the same steps as the long one."""
+    """A transcription submitted while another decodes is encoded between two steps and decodes in the same steps."""
     steps, rows = transcriber.stats.decode_steps, transcriber.stats.decode_rows
     story = steady_piper_speech("Once upon a time there was a small cat who lived in a quiet village by the sea.")
     first = transcriber.transcribe(story)
