@@ -176,6 +176,24 @@ def encoder_rtf(n: int = 8) -> tuple[float, float]:
     return batched / seconds, single / seconds
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """CPU time (user + system) the process `pid` and its live descendants have used so far; None without a pid
+    (`--url`) or where /proc cannot tell."""
+    if pid is None:
+        return None
+    tick, total, todo = os.sysconf("SC_CLK_TCK"), 0.0, [pid]
+    try:
+        while todo:
+            p = todo.pop()
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
 def server_batches(url: str) -> str:
     base = url.replace("ws://", "http://").replace("wss://", "https://").split("/v1/")[0]
     try:
@@ -388,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                     port = free_port()
                     proc = start_server(config, common, port, log)
                     url = f"ws://127.0.0.1:{port}/v1/realtime"
-                runs += run_round(url, clips, args, counts, spreads, modes, config.name, rnd)
+                runs += run_round(url, clips, args, counts, spreads, modes, config.name, rnd,
+                                  None if proc is None else proc.pid)
                 counters.append({"server": config.name, "round": rnd, "counters": server_batches(url)})
             finally:
                 if proc is not None:
@@ -425,8 +444,9 @@ def json_config(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run_round(url: str, clips: list[Clip], args, counts: list[int], spreads: list[int], modes: list[str],
-              server: str, rnd: int) -> list[dict]:
-    """One round on one server: a warm-up turn per mode, then every (sessions, spread, mode) run."""
+              server: str, rnd: int, pid: int | None = None) -> list[dict]:
+    """One round on one server: a warm-up turn per mode, then every (sessions, spread, mode) run. With the server's
+    `pid`, each run also records the CPU seconds the server spent per turn."""
     runs = []
     for mode in modes:  # warm-up
         asyncio.run(run_session(url, 0, clips, 1, args.chunk_ms, args.max_output_tokens, turn_detection=mode))
@@ -441,10 +461,14 @@ def run_round(url: str, clips: list[Clip], args, counts: list[int], spreads: lis
                                                               args.max_output_tokens, i * spread / 1000 / n,
                                                               progress, mode)
                                                   for i in range(n)))
+                cpu0 = cpu_seconds(pid)
                 turns = [t for r in asyncio.run(load()) for t in r]
+                cpu1 = cpu_seconds(pid)
                 progress.close("turns done")
                 runs.append({"server": server, "round": rnd, "sessions": n, "spread_ms": spread,
-                             "turn_detection": mode, "turns": turns})
+                             "turn_detection": mode, "turns": turns,
+                             "server_cpu_s_per_turn": None if cpu0 is None or cpu1 is None or not turns
+                             else (cpu1 - cpu0) / len(turns)})
     return runs
 
 
@@ -499,12 +523,12 @@ def summarize(runs: list[dict]) -> list[dict]:
     groups: dict[tuple, dict[int, dict]] = {}
     for r in runs:
         key = (r["sessions"], r["spread_ms"], r["turn_detection"], r.get("server", "default"))
-        groups.setdefault(key, {})[r.get("round", 1)] = figures(r)
+        groups.setdefault(key, {})[r.get("round", 1)] = {**figures(r), CPU_FIGURE: cpu_per_turn(r)}
     out = []
     for (n, spread, mode, server), by_round in sorted(groups.items(), key=lambda kv: (
             kv[0][0], kv[0][1], kv[0][2], servers.index(kv[0][3]))):
         rounds = sorted(by_round)
-        per_round = {name: [by_round[rnd][name] for rnd in rounds] for name, _, _ in FIGURES}
+        per_round = {name: [by_round[rnd][name] for rnd in rounds] for name in [*(f[0] for f in FIGURES), CPU_FIGURE]}
         base = groups.get((n, spread, mode, servers[0]), {})
         ratios = [by_round[rnd]["first audio p50"] / base[rnd]["first audio p50"] for rnd in rounds
                   if rnd in base and base[rnd]["first audio p50"] > 0]
@@ -531,12 +555,21 @@ def print_runs(runs: list[dict]) -> None:
         report.Column("transcript p95", "ms", 0), report.Column("first text p50", "ms", 0),
         report.Column("first text p95", "ms", 0), report.Column("first audio p50", "ms", 0),
         report.Column("first audio p95", "ms", 0), report.Column("first audio − speech_stopped p50", "ms", 0),
-        report.Column("playback gap p95", "ms", 0), report.Column("playback gap max", "ms", 0)]
+        report.Column("playback gap p95", "ms", 0), report.Column("playback gap max", "ms", 0),
+        report.Column(CPU_FIGURE, "s", 2)]
     report.print_table(cols, [([r.get("server", "default"), r.get("round", 1)] if many else []) + [
         r["sessions"], float(r["spread_ms"]), r["turn_detection"], len(r["turns"]), p(r, "stopped", 50),
         p(r, "transcript", 50), p(r, "transcript", 95), p(r, "text", 50), p(r, "text", 95),
         p(r, "audio", 50), p(r, "audio", 95), p(r, "after_stopped", 50), p(r, "gap", 95),
-        p(r, "gap", 100)] for r in runs])
+        p(r, "gap", 100), cpu_per_turn(r)] for r in runs])
+
+
+CPU_FIGURE = "server CPU per turn"
+
+
+def cpu_per_turn(run: dict) -> float:
+    value = run.get("server_cpu_s_per_turn")
+    return float("nan") if value is None else value
 
 
 def print_summary(summary: list[dict]) -> None:
@@ -546,10 +579,11 @@ def print_summary(summary: list[dict]) -> None:
     cols = [report.Column("sessions"), report.Column("start spread", "ms", 0), report.Column("turn detection"),
             report.Column("server"), report.Column("rounds"), report.Column("first audio p50, per round", "ms"),
             report.Column(f"first audio p50 / {summary[0]['baseline']}", "×", 2)] + \
-        [report.Column(name, "ms", 0) for name, _, _ in FIGURES]
+        [report.Column(name, "ms", 0) for name, _, _ in FIGURES] + [report.Column(CPU_FIGURE, "s", 2)]
     rows = [[s["sessions"], float(s["spread_ms"]), s["turn_detection"], s["server"], len(s["rounds"]),
              " / ".join(f"{v:.0f}" for v in s["per_round"]["first audio p50"]), s["first_audio_p50_ratio"]] +
-            [s["median"][name] for name, _, _ in FIGURES] for s in summary]
+            [s["median"][name] for name, _, _ in FIGURES] + [s["median"].get(CPU_FIGURE, float("nan"))]
+            for s in summary]
     report.print_table(cols, rows, "Median over rounds (ms); the ratio is the median of the per-round ratios")
 
 

@@ -14,6 +14,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from gateway import openmp
 from gateway.logs import LOG_FORMATS   # logging and re only: this module stays light
 
 # `rtserve bench --help` lists these; each module's own `--help` explains its flags (tests/gateway/test_cli.py keeps
@@ -299,6 +300,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(argv: list[str], ns: argparse.Namespace | None = None) -> int:
+    openmp.bound_spinning()   # before anything loads torch (gateway/openmp.py)
     ap = serve_parser()
     ns = ns or ap.parse_args(argv)
     problem = check_model(ns)

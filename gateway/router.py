@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from engine.block_manager import hash_block
+from gateway import openmp
 from engine.core_client import EngineCoreClient, ProcessLauncher, replica_engine_args
 from engine.errors import EngineDeadError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -42,10 +43,10 @@ _SUMMED_NOT = ("kv_page_size",)     # per-replica values that are the same every
 # ordered the core's threads behind them, and its OpenMP worker spins (busy-waits) between parallel regions for as
 # long as libgomp's default spin count, taking a CPU from them whenever the core's main thread is descheduled. So the
 # cores run nicer than the audio threads (which preempt them when they wake, and leave them every CPU when idle), and
-# their OpenMP workers spin for fewer iterations before they sleep: still enough to bridge the gaps between a step's
-# parallel regions, so a step is not slower for it.
+# their OpenMP workers spin for fewer iterations before they sleep (gateway/openmp.py, as for the in-thread engine):
+# still enough to bridge the gaps between a step's parallel regions, so a step is not slower for it.
 CORE_NICE_BESIDE_AUDIO = 10
-CORE_ENV_BESIDE_AUDIO = {"GOMP_SPINCOUNT": "10000"}
+CORE_ENV_BESIDE_AUDIO = dict(openmp.SPIN_ENV)
 
 
 def audio_first_launcher(args: dict) -> ProcessLauncher:
