@@ -38,6 +38,7 @@ class AudioStage:
     # Smart Turn calls, one at a time on one thread: each is short, and parallel calls would only compete for the
     # cores the engine, Whisper and piper need
     _turn_pool: ThreadPoolExecutor | None = None
+    _scoring: int = 0  # Smart Turn calls queued or running
 
     def start(self) -> "AudioStage":
         with self._lock:
@@ -55,6 +56,12 @@ class AudioStage:
         now = time.monotonic()
         return any(now - t < FIRST_PIECE_URGENT_S for t in list(self.awaiting_first_piece.values()))
 
+    def busy(self) -> bool:
+        """(any thread; cheap, never blocks) The stage is computing: a transcription queued or decoding, a synthesis
+        step running, a turn being scored. What the LLM engine yields a CPU to (`AsyncEngine.share_cpus_with`)."""
+        tr, tts = self.transcriber, self.tts
+        return self._scoring > 0 or (tr is not None and tr.inflight > 0) or (tts is not None and tts.busy)
+
     async def warmup(self) -> None:
         """Load the TTS voice (and Whisper, already loading in its thread) before the first caller waits on it."""
         self.start()
@@ -70,7 +77,11 @@ class AudioStage:
         with self._lock:
             if self._turn_pool is None:
                 self._turn_pool = ThreadPoolExecutor(1, thread_name_prefix="rtserve-smart-turn")
-        return await asyncio.get_running_loop().run_in_executor(self._turn_pool, smart_turn.score, audio_16k)
+        self._scoring += 1  # (event loop only)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._turn_pool, smart_turn.score, audio_16k)
+        finally:
+            self._scoring -= 1
 
     def close(self) -> None:
         if self._turn_pool is not None:

@@ -501,6 +501,11 @@ class TTSWorker:
                 with contextlib.suppress(RuntimeError):  # its event loop is closed
                     job._loop.call_soon_threadsafe(job._deliver, raw, error)
 
+    @property
+    def busy(self) -> bool:
+        """(any thread) A synthesis step is running now (approximate: read without the lock)."""
+        return any(job.running for job in list(self._jobs))
+
     def _pick(self) -> tuple[SpeechJob | None, float | None]:
         """(lock held) The waiting job whose listener runs out of audio first, if that is within ``lookahead``;
         else (None, seconds until one is, or None if there is none). A reply's pieces run one after the other (only

@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import Future
 from typing import AsyncIterator, Callable
@@ -26,6 +27,11 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("rtserve.engine")
 
+# After the other work sharing the CPUs (`share_cpus_with`) goes idle, the engine keeps stepping on one thread this
+# long before it takes all of its threads back: that work comes in bursts (a reply's speech is made a window at a
+# time), and each change of the thread count costs a little.
+SHARE_HOLD_S = 0.3
+
 
 class AsyncEngine:
     def __init__(self, model: str | None = None, **engine_args):
@@ -36,6 +42,9 @@ class AsyncEngine:
         self._stopped = False
         self._error: BaseException | None = None
         self.num_threads = engine_args.get("num_threads") or kernels.default_thread_count()  # the engine thread's
+        self._others_busy: Callable[[], bool] | None = None   # share_cpus_with
+        self._shared_until = 0.0       # (engine thread) steps run on one thread until then
+        self._step_threads = self.num_threads
         # The engine thread builds the engine it steps (see _load); this thread waits for it, and a load error
         # raises here.
         loaded: Future[LLMEngine] = Future()
@@ -96,6 +105,17 @@ class AsyncEngine:
         """Why the engine stopped on a fault (None while healthy or after a clean shutdown)."""
         return None if self._error is None else f"engine step failed: {self._error!r}"
 
+    def share_cpus_with(self, busy: Callable[[], bool] | None) -> None:
+        """While `busy()` says that other work of this process needs the CPUs (the gateway passes its audio stage's:
+        a turn being transcribed, speech being synthesized, a turn being scored), the engine steps on one thread, and
+        on all `num_threads` again once it has said False for SHARE_HOLD_S. None: always all of them.
+
+        Why: at the batch sizes a voice turn brings, a decode step's second thread buys little speed (the weights'
+        memory traffic and the Python between ops do not split) but costs a whole CPU, and on a small machine that
+        CPU is the one Whisper and piper wait for. `busy` is called on the engine thread before every step: it must
+        be cheap, and it must not block."""
+        self._others_busy = busy
+
     def stats(self) -> dict:
         """Engine counters as of the last step or command the engine thread handled."""
         return dict(self._stats)
@@ -133,6 +153,23 @@ class AsyncEngine:
             elif kind == "release":
                 self.engine.release_session(cmd[1])
 
+    def _fit_threads(self) -> None:
+        """(engine thread) One thread while the work this engine shares the CPUs with is busy (share_cpus_with)."""
+        busy = self._others_busy
+        if busy is None and self._step_threads == self.num_threads:
+            return
+        now = time.monotonic()
+        try:
+            if busy is not None and busy():
+                self._shared_until = now + SHARE_HOLD_S
+        except Exception:                             # noqa: BLE001 - a faulty hook costs the sharing, not the engine
+            log.exception("the CPU-sharing hook failed; the engine keeps all its threads from now on")
+            self._others_busy, self._shared_until = None, 0.0
+        want = 1 if now < self._shared_until else self.num_threads
+        if want != self._step_threads:
+            kernels.set_thread_count(want)
+            self._step_threads = want
+
     def _deliver(self, items: list[tuple[str, object]]) -> None:
         self._stats = self.engine.stats()           # consumers that see a finish also see its blocks freed
         deliver(self._streams, items, self.engine.abort_request)
@@ -165,6 +202,7 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            self._fit_threads()
             try:
                 outputs = self.engine.step()
             except Exception as e:                    # not pinned on any request: the engine cannot serve on

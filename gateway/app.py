@@ -27,6 +27,7 @@ from gateway.guard import HostOriginGuard
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.realtime.conversation import PromptRenderer
 from gateway.realtime.session import RealtimeSession, SessionLimits
+from kernels import settings as variables
 
 log = logging.getLogger("rtserve")
 WEB_DEMO_DIR = Path(__file__).resolve().parent.parent / "web_demo"
@@ -192,6 +193,7 @@ async def _load(app: Starlette, settings: Settings) -> None:
             t0 = time.monotonic()
             await _alive(app.state.audio.warmup(), "audio", t0)
             log.info("audio stage ready in %.1f s (VAD, Whisper, piper voice)", time.monotonic() - t0)
+        share_cpus(engine, app.state.audio)
         _attach(app, engine)
     except Exception as exc:   # nothing can be served: say why, and stop the server (SIGTERM: uvicorn's own exit)
         app.state.loading_error = str(exc)
@@ -201,6 +203,15 @@ async def _load(app: Starlette, settings: Settings) -> None:
     if settings.public_url:
         log.info("ready on %s  (realtime: %s/v1/realtime; started in %.1f s)", settings.public_url,
                  settings.public_url.replace("http", "ws", 1), time.monotonic() - start)
+
+
+def share_cpus(engine, audio: AudioStage | None) -> None:
+    """An in-thread engine steps on one thread while the audio stage computes (AsyncEngine.share_cpus_with). An
+    engine core in a child process runs niced behind the audio stage instead (gateway/router.py)."""
+    from engine import AsyncEngine
+
+    if audio is not None and isinstance(engine, AsyncEngine) and variables.enabled("RTSERVE_ENGINE_SHARES_CPUS"):
+        engine.share_cpus_with(audio.busy)
 
 
 async def _alive(work, stage: str, start: float):

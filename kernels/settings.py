@@ -51,6 +51,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "How far ahead of its listener a reply's speech is synthesized; the rest waits its turn."),
     Variable("RTSERVE_TTS_YIELD_SLACK_S", "0.4",
              "How much buffered speech lets a reply's synthesis yield to a reply someone is waiting on."),
+    Variable("RTSERVE_ENGINE_SHARES_CPUS", "1",
+             "`0`: the in-thread LLM engine keeps all its threads while the audio stage computes, instead of "
+             "stepping on one. For A/B runs."),
     Variable("RTSERVE_TEST_DEVICE", "cpu", "Tests only: `cuda` runs the Triton tests compiled on a GPU."),
     Variable("RTSERVE_ARTIFACTS", "",
              "Tests only: the folder tests save screenshots in (the web demo's under `web_demo/`). Unset: "

@@ -2,6 +2,7 @@
 CPU while nobody speaks, so a server with the audio stage on serves text as fast as one without it."""
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -44,5 +45,34 @@ async def test_idle_audio_workers_take_no_cpu():
         time.sleep(IDLE_S)   # blocking this loop: nothing of the stage waits on it
         used = _cpu_seconds(workers) - start
         assert used <= MAX_IDLE_SHARE * IDLE_S, f"idle audio workers took {used:.3f} CPU-s in {IDLE_S} s"
+        assert not stage.busy()   # so the LLM engine has all its threads back (AsyncEngine.share_cpus_with)
+    finally:
+        stage.close()
+
+
+async def test_busy_while_transcribing_synthesizing_or_scoring():
+    """What the LLM engine yields a CPU to: each kind of the stage's work, seen as busy while it runs."""
+    stage = AudioStage()
+    try:
+        await stage.warmup()
+        speech = steady_piper_speech("Is the stage busy now?")
+        assert not stage.busy()
+        stream = stage.transcriber.transcribe(speech)
+        assert stage.busy()   # queued counts, before the worker picks it up
+        await stream.result()
+        assert not stage.busy()
+
+        job = stage.say("A sentence long enough to take a few synthesis steps of the vocoder.", "pcm16", 1.0,
+                        SpeechClock(paced=False))
+        seen = False
+        async for _ in job.chunks():
+            seen = seen or stage.busy()
+        assert seen and not stage.busy()
+
+        scoring = asyncio.ensure_future(stage.score_turn(speech))
+        await asyncio.sleep(0)
+        assert stage.busy()
+        assert 0.0 <= await scoring <= 1.0
+        assert not stage.busy()
     finally:
         stage.close()

@@ -46,3 +46,51 @@ def test_decode_steps_do_not_sleep_between_parallel_regions():
     # a step's own wakeups (the event loop's, the engine thread's between steps) are a few; a worker that sleeps
     # between parallel regions adds one per region, and a decode step has dozens
     assert switches < 25 * steps or threads < 2, out.stdout + out.stderr
+
+
+SHARING = """
+import asyncio, time
+from engine import AsyncEngine, SamplingParams
+from engine.async_engine import SHARE_HOLD_S
+
+async def run(eng, rid):
+    seen = set()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    async for out in eng.generate(rid, list(range(100, 140)), params):
+        seen.add(eng.stats()["intra_op_threads"])
+    return out.num_output_tokens, sorted(seen)
+
+async def main():
+    eng = await asyncio.to_thread(AsyncEngine, kv_cache_memory="64MiB", num_threads=2)
+    busy = {"now": True, "calls": 0}
+    def others_busy():
+        busy["calls"] += 1
+        if busy["now"] == "raise":
+            raise RuntimeError("hook bug")
+        return busy["now"]
+    try:
+        print("alone", *await run(eng, "a"))
+        eng.share_cpus_with(others_busy)
+        print("busy", *await run(eng, "b"))
+        busy["now"] = False
+        await asyncio.sleep(SHARE_HOLD_S + 0.2)
+        print("idle", *await run(eng, "c"))
+        busy["now"] = "raise"
+        print("faulty", *await run(eng, "d"))
+        print("calls", busy["calls"] > 0)
+    finally:
+        eng.shutdown()
+
+asyncio.run(main())
+"""
+
+
+def test_the_engine_steps_on_one_thread_while_the_work_it_shares_the_cpus_with_is_busy():
+    out = subprocess.run([sys.executable, "-c", SHARING], capture_output=True, text=True, timeout=600, check=True)
+    lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    assert lines["alone"] == "16 [2]", out.stdout
+    assert lines["busy"] == "16 [1]", out.stdout      # every step while busy() said True
+    assert lines["idle"] == "16 [2]", out.stdout      # all threads back once it said False for the hold time
+    assert lines["faulty"] == "16 [2]", out.stdout    # a hook that raises costs the sharing, not the requests
+    assert "the CPU-sharing hook failed" in out.stderr
+    assert lines["calls"] == "True"
