@@ -134,13 +134,16 @@ class Transcriber:
     """Shared batched Whisper worker.  Create once per process; ``close()`` on shutdown."""
 
     def __init__(self, model: WhisperModel | None = None, max_batch: int = 16,
-                 batch_wait_s: float = 0.02, threads: int | None = None) -> None:
+                 batch_wait_s: float = 0.0, threads: int | None = None) -> None:
         self._model = model
         # Intra-op threads ($RTSERVE_WHISPER_THREADS, default one): beside the LLM engine and the TTS threads on a
         # small CPU, a Whisper turn with two threads stalls at every parallel op waiting for the other thread.
         self.threads = settings.integer("RTSERVE_WHISPER_THREADS") if threads is None else threads
         self.max_batch = max_batch
-        self.batch_wait_s = batch_wait_s  # after an idle wake-up, wait this long for company
+        # After an idle wake-up, wait this long for company. No wait by default: an encoder pass costs the same per clip
+        # in a batch as alone (`rtserve bench whisper --batches`), and a segment arriving meanwhile is encoded right
+        # after it and joins the rows decoding, so waiting would only delay the first one.
+        self.batch_wait_s = batch_wait_s
         self.stats = TranscriberStats()
         self._pending: list[_Request] = []
         self._active: list[_Request] = []

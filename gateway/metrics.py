@@ -109,6 +109,10 @@ class AudioCollector:
         yield GaugeMetricFamily("rtserve_whisper_max_decode_rows", "Largest Whisper decoder batch.",
                                 value=tr["max_decode_rows"])
         yield GaugeMetricFamily("rtserve_whisper_rtf", "Whisper compute seconds per audio second.", value=tr["rtf"])
+        yield CounterMetricFamily("rtserve_whisper_encoder_seconds", "Wall seconds in Whisper encoder passes (log-mel "
+                                  "included).", value=tr["encoder_seconds"])
+        yield CounterMetricFamily("rtserve_whisper_decoder_seconds", "Wall seconds in Whisper decoder steps.",
+                                  value=tr["decoder_seconds"])
         tts = stats.get("tts") or {}
         yield CounterMetricFamily("rtserve_tts_requests", "Clauses synthesized.", value=tts.get("requests", 0))
         yield CounterMetricFamily("rtserve_tts_steps", "Synthesis steps (a sentence's encoding, a vocoder window).",
