@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 from audio.stage import AudioStage
@@ -62,12 +63,21 @@ async def test_busy_while_transcribing_synthesizing_or_scoring():
         await stream.result()
         assert not stage.busy()
 
-        job = stage.say("A sentence long enough to take a few synthesis steps of the vocoder.", "pcm16", 1.0,
-                        SpeechClock(paced=False))
-        seen = False
-        async for _ in job.chunks():
-            seen = seen or stage.busy()
-        assert seen and not stage.busy()
+        seen, done = [], threading.Event()
+
+        def sample() -> None:   # off the event loop, so a slow loop cannot miss the steps
+            while not done.is_set():
+                seen.append(stage.busy())
+                time.sleep(0.002)
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            await stage.say("A sentence long enough to take a few synthesis steps of the vocoder.", "pcm16", 1.0,
+                            SpeechClock(paced=False)).read()
+        finally:
+            done.set()
+            sampler.join()
+        assert any(seen) and not stage.busy()
 
         scoring = asyncio.ensure_future(stage.score_turn(speech))
         await asyncio.sleep(0)
