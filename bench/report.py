@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512_fp16", "amx_tile", "amx_bf16",
              "amx_int8")
 
+CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+
 
 def parser(name: str, description: str | None, **kwargs) -> argparse.ArgumentParser:
     """`rtserve bench NAME`'s parser: a bad flag is one line with exit code 2 (as `rtserve serve`), and every benchmark
@@ -123,6 +125,15 @@ def wait_until_ready(proc: subprocess.Popen, port: int, label: str, timeout_s: f
             progress.update()
         time.sleep(0.5)
     raise RuntimeError("server did not become ready")
+
+
+def proc_stat(path: str | Path) -> tuple[str, float]:
+    """A /proc `stat` file (a process's or one of its tasks'): its command name and the CPU seconds (user + system)
+    it has used. Raises OSError when it is gone."""
+    text = Path(path).read_text()
+    head, _, rest = text.rpartition(")")
+    fields = rest.split()
+    return head[head.index("(") + 1:], (int(fields[11]) + int(fields[12])) / CLOCK_TICK
 
 
 def stage(message: str) -> None:

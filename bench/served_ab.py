@@ -21,8 +21,9 @@ import time
 
 import aiohttp
 
+from bench import report
+
 PY = sys.executable
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def workload(n, seed):
@@ -36,12 +37,9 @@ def threads_cpu(pid):
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            s = open(f"/proc/{pid}/task/{tid}/stat").read()
+            out[int(tid)] = report.proc_stat(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue
-        rest = s[s.rindex(")") + 2:].split()
-        comm = s[s.index("(") + 1:s.rindex(")")]
-        out[int(tid)] = (comm, (int(rest[11]) + int(rest[12])) / TICK)
     return out
 
 
@@ -149,7 +147,6 @@ def run_engine(prompts, outputs):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench import report
     ap = report.parser("served_ab", __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="audio,noaudio,engine")
     ap.add_argument("--rounds", type=int, default=2)

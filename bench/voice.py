@@ -181,12 +181,11 @@ def cpu_seconds(pid: int | None) -> float | None:
     (`--url`) or where /proc cannot tell."""
     if pid is None:
         return None
-    tick, total, todo = os.sysconf("SC_CLK_TCK"), 0.0, [pid]
+    total, todo = 0.0, [pid]
     try:
         while todo:
             p = todo.pop()
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            total += report.proc_stat(f"/proc/{p}/stat")[1]
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
     except (OSError, ValueError, IndexError):

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from engine.block_manager import hash_block
-from gateway import openmp
 from engine.core_client import EngineCoreClient, ProcessLauncher, replica_engine_args
 from engine.errors import EngineDeadError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from gateway import openmp
 
 log = logging.getLogger("rtserve.router")
 POLICIES = ("affinity", "round-robin")
