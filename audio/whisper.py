@@ -220,7 +220,7 @@ class WhisperModel:
     """Whisper tiny.en on torch (CPU): batched log-mel features, encoder, greedy decoder."""
 
     def __init__(self, model, tokenizer, feature_extractor, suppress_ids: Sequence[int],
-                 suppress_begin: Sequence[int], dtype: torch.dtype, pack: bool = True) -> None:
+                 suppress_begin: Sequence[int], dtype: torch.dtype, pack: bool = True, graphs: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.feature_extractor = feature_extractor
@@ -244,14 +244,40 @@ class WhisperModel:
         if dtype == torch.bfloat16 and pack and no_amx:
             model.model.encoder.float()
             self.encoder_dtype = torch.float32
+        self.encoder_pass = _EncoderPass(model.model.encoder)
+        self.decoder_pass = _DecoderPass(model.model.decoder, self._logits)
+        if graphs and settings.enabled("RTSERVE_WHISPER_GRAPH"):
+            self._trace_graphs()
+
+    def _trace_graphs(self) -> None:
+        """Replace both passes with TorchScript traces of themselves (the same ops, shapes left dynamic). Why: a traced
+        graph runs all its ops in C++ with the GIL released, where the Python modules take the GIL back after every
+        op; in the server the event loop, the VAD and the engine hold it in between, and each of the encoder's and
+        the decoder step's many small ops waited for its turn (docs/benchmarks.md, Whisper). On any failure the
+        Python passes stay."""
+        import warnings
+        try:
+            feats = torch.zeros(1, self.model.config.num_mel_bins, 2 * MIN_CONTEXT_POSITIONS, dtype=self.encoder_dtype)
+            with torch.inference_mode(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the tracer's notes on shape-dependent Python branches (constant here)
+                encoder = torch.jit.trace(self.encoder_pass, (feats,), check_trace=False)
+                dec = Decoder(self, None)
+                dec.add(encoder(feats).to(self.dtype), [0], [8])
+                decoder = torch.jit.trace(self.decoder_pass, dec.pass_inputs(), check_trace=False)
+        except Exception:  # noqa: BLE001 - only slower without the graphs
+            log.warning("Whisper: tracing its passes failed; they run as Python modules", exc_info=True)
+            return
+        self.encoder_pass, self.decoder_pass = encoder, decoder
 
     # ---- loading
     @classmethod
     def load(cls, model_dir: str | Path | None = None, cache: str | Path | None = None,
-             dtype: torch.dtype = torch.float32, quiet: bool = False, pack: bool = True) -> "WhisperModel":
+             dtype: torch.dtype = torch.float32, quiet: bool = False, pack: bool = True,
+             graphs: bool = True) -> "WhisperModel":
         """Load from the safetensors cache, converting ``model.bin`` once if the cache is missing. ``pack`` (bf16
         only): the linear layers on 8-bit blocks for the packed kernel where the CPU has one (False: the dense
-        weights on torch's GEMM everywhere)."""
+        weights on torch's GEMM everywhere). ``graphs``: trace the encoder and the decoder step (`_trace_graphs`;
+        also off with ``RTSERVE_WHISPER_GRAPH=0``)."""
         from safetensors.torch import load_file, save_file
         from tokenizers import Tokenizer
         from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
@@ -290,7 +316,7 @@ class WhisperModel:
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         fe = WhisperFeatureExtractor(feature_size=dims["num_mel_bins"])
         return cls(model, tok, fe, ct2_cfg.get("suppress_ids", []),
-                   ct2_cfg.get("suppress_ids_begin", [220, EOT]), dtype, pack)
+                   ct2_cfg.get("suppress_ids_begin", [220, EOT]), dtype, pack, graphs)
 
     # ---- compute
     @staticmethod
@@ -319,16 +345,9 @@ class WhisperModel:
     @torch.inference_mode()
     def encode(self, features: torch.Tensor) -> torch.Tensor:
         """The encoder over ``features.shape[-1] / 2`` positions (HF's encoder insists on the full 3000 frames, so
-        this runs its modules itself: conv stem, sliced position table, layers, final norm)."""
-        enc = self.model.model.encoder
-        x = torch.nn.functional.gelu(enc.conv1(features.to(self.encoder_dtype)))
-        x = torch.nn.functional.gelu(enc.conv2(x)).permute(0, 2, 1)
-        x = x + enc.embed_positions.weight[: x.shape[1]]
-        for layer in enc.layers:
-            x = layer(x, None)
-            if isinstance(x, tuple):  # older transformers return (hidden_states, attn_weights)
-                x = x[0]
-        return enc.layer_norm(x).to(self.dtype)
+        `_EncoderPass` runs its modules itself), as one traced graph unless ``RTSERVE_WHISPER_GRAPH=0``."""
+        with torch.jit.optimized_execution(False):
+            return self.encoder_pass(features.to(self.encoder_dtype)).to(self.dtype)
 
     @torch.inference_mode()
     def decode_greedy(self, encoded: torch.Tensor, max_new_tokens: int | Sequence[int] = MAX_NEW_TOKENS,
@@ -429,7 +448,7 @@ class Decoder:
     then NO_TIMESTAMPS, then the last token. The self-attention cache is one preallocated tensor per layer with a
     length mask per row; cross-attention keys/values are projected once per row (zero-padded, and masked, when rows
     have different encoder lengths). HF's modules supply the weights; the loop is ours (transformers' generic cache
-    machinery was most of a step's time at batch 1)."""
+    machinery was most of a step's time at batch 1), and the step's compute is `_DecoderPass`."""
 
     def __init__(self, model: WhisperModel, no_speech_threshold: float | None = NO_SPEECH_THRESHOLD) -> None:
         self.model, self.no_speech_threshold = model, no_speech_threshold
@@ -438,7 +457,8 @@ class Decoder:
         self.heads, self.head_dim = attn.num_heads, attn.head_dim
         self.max_len = model.model.config.max_target_positions  # SOT, NO_TIMESTAMPS and the text tokens
         self.rows: list[_Row] = []
-        self.cross: list | None = None   # per layer (k, v): [B, heads, P, head_dim], fp32
+        self.cross_k: torch.Tensor | None = None  # [layers, B, heads, P, head_dim], fp32
+        self.cross_v: torch.Tensor | None = None
         self.self_k: torch.Tensor | None = None  # [layers, B, heads, 2 + the longest row's cap, head_dim]
         self.self_v: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None
@@ -456,8 +476,8 @@ class Decoder:
             return x.view(n, -1, self.heads, self.head_dim).transpose(1, 2)
         # fp32 cross-attention keys/values: a one-query attention over hundreds of positions runs several times
         # faster in fp32 than in bf16 on the CPU (and rounds nothing)
-        cross = [(split(layer.encoder_attn.k_proj(encoded)).float(), split(layer.encoder_attn.v_proj(encoded)).float())
-                 for layer in self.dec.layers]
+        k_cross = torch.stack([split(layer.encoder_attn.k_proj(encoded)).float() for layer in self.dec.layers])
+        v_cross = torch.stack([split(layer.encoder_attn.v_proj(encoded)).float() for layer in self.dec.layers])
         # the self-attention cache holds the longest row (SOT, NO_TIMESTAMPS and its cap), and never shrinks while
         # rows remain; zeros, not empty: masked positions still meet V (softmax weight 0 times a NaN bit pattern is NaN)
         span = max([2 + r.cap for r in rows] + ([self.self_k.shape[3]] if self.rows else []))
@@ -465,19 +485,18 @@ class Decoder:
         k_new, v_new = torch.zeros(shape, dtype=encoded.dtype), torch.zeros(shape, dtype=encoded.dtype)
         self.rows += rows
         if len(self.rows) == n:
-            self.cross = [(k.contiguous(), v.contiguous()) for k, v in cross]
+            self.cross_k, self.cross_v = k_cross, v_cross
             self.self_k, self.self_v = k_new, v_new
             return
         if self.self_k.shape[3] < span:
             grow = (0, 0, 0, span - self.self_k.shape[3])
             self.self_k, self.self_v = (torch.nn.functional.pad(t, grow) for t in (self.self_k, self.self_v))
-        p_old = self.cross[0][0].shape[2]
-        pad = max(p_old, p_new)
+        pad = max(self.cross_k.shape[3], p_new)
 
         def padded(x: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.pad(x, (0, 0, 0, pad - x.shape[2])) if x.shape[2] < pad else x
-        self.cross = [(torch.cat([padded(ko), padded(kn)]), torch.cat([padded(vo), padded(vn)]))
-                      for (ko, vo), (kn, vn) in zip(self.cross, cross)]
+            return torch.nn.functional.pad(x, (0, 0, 0, pad - x.shape[3])) if x.shape[3] < pad else x
+        self.cross_k = torch.cat([padded(self.cross_k), padded(k_cross)], 1)
+        self.cross_v = torch.cat([padded(self.cross_v), padded(v_cross)], 1)
         self.self_k, self.self_v = torch.cat([self.self_k, k_new], 1), torch.cat([self.self_v, v_new], 1)
 
     def drop(self, key) -> None:
@@ -489,11 +508,21 @@ class Decoder:
             return
         self.rows = [self.rows[i] for i in idx]
         if not self.rows:
-            self.cross = self.self_k = self.self_v = None
+            self.cross_k = self.cross_v = self.self_k = self.self_v = None
             return
         t = torch.tensor(idx)
-        self.cross = [(k.index_select(0, t), v.index_select(0, t)) for k, v in self.cross]
-        self.self_k, self.self_v = self.self_k.index_select(1, t), self.self_v.index_select(1, t)
+        self.cross_k, self.cross_v, self.self_k, self.self_v = (
+            x.index_select(1, t) for x in (self.cross_k, self.cross_v, self.self_k, self.self_v))
+
+    def pass_inputs(self) -> tuple[torch.Tensor, ...]:
+        """`_DecoderPass`'s arguments for the next step of every row: its input token, its position, both masks and
+        the caches."""
+        rows = self.rows
+        ids = torch.tensor([SOT if r.pos == 0 else NO_TIMESTAMPS if r.pos == 1 else r.tokens[-1] for r in rows])
+        pos = torch.tensor([r.pos for r in rows])
+        self_mask = _additive_mask(pos + 1, self.self_k.shape[3], self.self_k.dtype)
+        cross_mask = _additive_mask(torch.tensor([r.cross_len for r in rows]), self.cross_k.shape[3], torch.float32)
+        return ids.unsqueeze(1), pos, self_mask, cross_mask, self.self_k, self.self_v, self.cross_k, self.cross_v
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[int], bool]]:
@@ -502,9 +531,8 @@ class Decoder:
         rows, m = self.rows, self.model
         if not rows:
             return []
-        inputs = [SOT if r.pos == 0 else NO_TIMESTAMPS if r.pos == 1 else r.tokens[-1] for r in rows]
-        hidden = self._forward(torch.tensor(inputs).unsqueeze(1), torch.tensor([r.pos for r in rows]))
-        logits = m._logits(hidden[:, -1])
+        with torch.jit.optimized_execution(False):
+            logits = m.decoder_pass(*self.pass_inputs())
         p_none = None  # <|nocaptions|> right after SOT: is there speech at all?
         if self.no_speech_threshold is not None and any(r.pos == 0 for r in rows):
             p_none = logits.softmax(-1)[:, NO_SPEECH].tolist()
@@ -535,17 +563,45 @@ class Decoder:
         self._keep(keep)
         return out
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Hidden states after the final norm for one token per row, ``ids`` [B, 1] at positions ``pos`` [B]."""
-        dec, b = self.dec, ids.shape[0]
-        x = dec.embed_tokens(ids) + dec.embed_positions.weight[pos].unsqueeze(1)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+class _EncoderPass(torch.nn.Module):
+    """The encoder over the positions its features hold: conv stem, sliced position table, layers, final norm."""
+
+    def __init__(self, encoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        enc = self.encoder
+        x = torch.nn.functional.gelu(enc.conv1(features))
+        x = torch.nn.functional.gelu(enc.conv2(x)).permute(0, 2, 1)
+        x = x + enc.embed_positions.weight[: x.shape[1]]
+        for layer in enc.layers:
+            x = layer(x, None)
+            if isinstance(x, tuple):  # older transformers return (hidden_states, attn_weights)
+                x = x[0]
+        return enc.layer_norm(x)
+
+
+class _DecoderPass(torch.nn.Module):
+    """One decoder step for B rows, one token each: ``ids`` [B, 1] at positions ``pos`` [B]; writes their keys and
+    values into the self-attention caches (in place) and returns the fp32 logits [B, vocab]. Every row attends over
+    the whole cache and the whole cross-attention length, the masks hiding what it has not got, so one graph serves
+    every mix of positions and lengths."""
+
+    def __init__(self, decoder, logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.decoder, self.logits = decoder, logits
+        attn = decoder.layers[0].self_attn
+        self.heads, self.head_dim = attn.num_heads, attn.head_dim
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, self_mask: torch.Tensor, cross_mask: torch.Tensor,
+                self_k: torch.Tensor, self_v: torch.Tensor, cross_k: torch.Tensor,
+                cross_v: torch.Tensor) -> torch.Tensor:
+        dec, b = self.decoder, ids.shape[0]
         heads, hd = self.heads, self.head_dim
-        span = int(pos.max()) + 1
-        self_mask = None if int(pos.min()) == span - 1 else _additive_mask(pos + 1, span, x.dtype)
-        lengths = torch.tensor([r.cross_len for r in self.rows])
-        p = self.cross[0][0].shape[2]
-        cross_mask = None if int(lengths.min()) == p else _additive_mask(lengths, p, torch.float32)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        x = dec.embed_tokens(ids) + dec.embed_positions.weight[pos].unsqueeze(1)
         batch = torch.arange(b)
 
         def split(y: torch.Tensor) -> torch.Tensor:
@@ -554,18 +610,21 @@ class Decoder:
             a = layer.self_attn
             h = layer.self_attn_layer_norm(x)
             q = split(a.q_proj(h) * a.scaling)
-            self.self_k[i, batch, :, pos] = a.k_proj(h).view(b, heads, hd)
-            self.self_v[i, batch, :, pos] = a.v_proj(h).view(b, heads, hd)
-            o = sdpa(q, self.self_k[i, :, :, :span], self.self_v[i, :, :, :span], attn_mask=self_mask, scale=1.0)
+            # aten's index_put_, not `self_k[i, batch, :, pos] = ...`: Python's item assignment views the values to
+            # the shape it saw, which a trace would keep for every batch size
+            index = [batch, None, pos]
+            torch.ops.aten.index_put_(self_k[i], index, a.k_proj(h).view(b, heads, hd))
+            torch.ops.aten.index_put_(self_v[i], index, a.v_proj(h).view(b, heads, hd))
+            o = sdpa(q, self_k[i], self_v[i], attn_mask=self_mask, scale=1.0)
             x = x + a.out_proj(o.transpose(1, 2).reshape(b, 1, heads * hd))
             c = layer.encoder_attn
             h = layer.encoder_attn_layer_norm(x)
-            ck, cv = self.cross[i]
-            o = sdpa(split(c.q_proj(h) * c.scaling).float(), ck, cv, attn_mask=cross_mask, scale=1.0).to(x.dtype)
+            o = sdpa(split(c.q_proj(h) * c.scaling).float(), cross_k[i], cross_v[i], attn_mask=cross_mask,
+                     scale=1.0).to(x.dtype)
             x = x + c.out_proj(o.transpose(1, 2).reshape(b, 1, heads * hd))
             h = layer.final_layer_norm(x)
             x = x + layer.fc2(layer.activation_fn(layer.fc1(h)))
-        return dec.layer_norm(x)
+        return self.logits(dec.layer_norm(x)[:, -1])
 
 
 def _additive_mask(lengths: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:

@@ -208,6 +208,8 @@ def server_batches(url: str) -> str:
     rtf = re.findall(r'rtserve_whisper_rtf ([0-9.e+-]+)', text)
     dec = dict(re.findall(r'rtserve_whisper_decode_(steps|rows)_total ([0-9.e+-]+)', text))
     mean_rows = float(dec.get("rows", 0)) / max(1.0, float(dec.get("steps", 0)))
+    secs = dict(re.findall(r'rtserve_whisper_(encoder|decoder)_seconds_total ([0-9.e+-]+)', text))
+    clips = max(1.0, sum(int(s) * float(n) for s, n in sizes))
     return (", ".join(f"{s}×{int(float(n))}" for s, n in sizes) or "n/a") + \
         f"; decoder rows per step {mean_rows:.2f} over {float(dec.get('steps', 0)):.0f} steps" + \
         f"; speculative transcriptions used/started: {spec.get('used', '?')}/{spec.get('started', '?')}" + \
@@ -215,6 +217,8 @@ def server_batches(url: str) -> str:
         f"{spec.get('pregenerated', '?')}" + \
         f"; reply pieces synthesized during the pause and sent: {int(float(spoken[0])) if spoken else '?'}" + \
         f"; Whisper RTF (encoder+decoder, served) {float(rtf[0]) if rtf else float('nan'):.3f}" + \
+        f", per clip: encoder {1000 * float(secs.get('encoder', 'nan')) / clips:.0f} ms, decoder " + \
+        f"{1000 * float(secs.get('decoder', 'nan')) / clips:.0f} ms" + \
         f"; TTS clauses {float(tts.get('requests_total', 0)):.0f}, mean " + \
         f"{1000 * float(tts.get('seconds_total', 0)) / max(1.0, float(tts.get('requests_total', 0))):.0f} ms, " + \
         f"max {1000 * float(tts.get('max_seconds', 0)):.0f} ms, max to first chunk " + \

@@ -46,6 +46,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "`bfloat16` (the fast path: linear layers on 8-bit blocks for the packed kernel), `float32` (exact) or "
              "`float16`: Whisper's compute dtype."),
     Variable("RTSERVE_WHISPER_THREADS", "1", "Intra-op threads of the Whisper worker."),
+    Variable("RTSERVE_WHISPER_GRAPH", "1",
+             "`0`: Whisper's encoder and decoder step run as Python modules, one op at a time, instead of as traced "
+             "TorchScript graphs that hold no GIL while they run. For A/B runs."),
     Variable("RTSERVE_TTS_THREADS", "2", "Speech synthesis threads (one piper voice and one ONNX thread each)."),
     Variable("RTSERVE_TTS_LOOKAHEAD_S", "1.0",
              "How far ahead of its listener a reply's speech is synthesized; the rest waits its turn."),

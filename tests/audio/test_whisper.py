@@ -230,6 +230,41 @@ def test_quantized_linears_agree_with_the_dense_model(model, clips):
     assert (ours - ref).norm() < 0.04 * ref.norm()
 
 
+def test_traced_passes_agree_with_the_python_modules(model, clips, monkeypatch):
+    """The encoder and the decoder step run as TorchScript traces (which hold no GIL while they run), traced at one
+    shape and used at others: a batch of two encoder lengths, and a row joining a decoder two steps in (other positions,
+    a padded and masked cross-attention), give the states, logits and tokens of the same passes run as Python modules
+    (`RTSERVE_WHISPER_GRAPH=0`)."""
+    assert isinstance(model.encoder_pass, torch.jit.ScriptModule)
+    assert isinstance(model.decoder_pass, torch.jit.ScriptModule)
+    monkeypatch.setenv("RTSERVE_WHISPER_GRAPH", "0")
+    plain = WhisperModel.load(dtype=torch.bfloat16)
+    assert not isinstance(plain.encoder_pass, torch.jit.ScriptModule)
+    long = np.concatenate([clips["espeak"], np.zeros(16000 * 11, np.float32)])
+    for audios in ([clips["piper"]], [clips["piper"], long]):
+        feats = model.features(audios)
+        torch.testing.assert_close(model.encode(feats).float(), plain.encode(feats).float(), atol=1e-3, rtol=1e-3)
+    enc_a, enc_b = (model.encode(model.features([a])) for a in (clips["piper"], long))
+    assert enc_b.shape[1] > enc_a.shape[1]
+    tokens = []
+    for m in (model, plain):
+        dec, logits, done = m.decoder(), [], {}
+        dec.add(enc_a, ["a"], [40])
+        while dec.rows:
+            if len(logits) == 2:
+                dec.add(enc_b, ["b"], [40])
+            for key, toks, end in dec.step():
+                if end:
+                    done[key] = list(toks)
+            logits.append(dec.last_logits.clone())
+        tokens.append(done)
+        if m is plain:
+            for ours, ref in zip(first, logits):
+                torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)
+        first = logits
+    assert tokens[0] == tokens[1] and tokens[0]["a"] and tokens[0]["b"]
+
+
 def test_decoder_loop_matches_transformers(clips):
     """Our cached decoder loop picks, at every step, the token HF's own uncached forward ranks first (fp32)."""
     from audio.whisper import NO_TIMESTAMPS, SOT
@@ -281,7 +316,7 @@ def test_rows_joining_a_running_decoder_decode_as_alone(clips):
         for i, k in enumerate(keys):
             torch.testing.assert_close(dec.last_logits[i], alone[k][0][steps[k]], atol=1e-4, rtol=1e-4)
             steps[k] += 1
-    assert got == {k: v[1] for k, v in alone.items()} and max(rows_seen) == 3 and dec.cross is None
+    assert got == {k: v[1] for k, v in alone.items()} and max(rows_seen) == 3 and dec.cross_k is None
 
 
 async def test_a_late_request_joins_the_running_decoder(transcriber, clips):
