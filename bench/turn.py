@@ -14,8 +14,8 @@ template, the voice session's instructions), and Smart Turn on the audio; each t
 - fixed 500 ms: server_vad's window, no early end;
 - end-of-turn token alone, text alone (the token jointly with Whisper's punctuation before it), Smart Turn alone;
 - combined: `turn_detection.combine`, the server's rule.
-A rule ends a turn at a pause at the first silence at which both scores are in (`Pause.ready_ms`: the VAD's report,
-then Whisper + prefill, beside Smart Turn) and its probability clears the threshold for that silence
+A rule ends a turn at a pause at the first silence at which the scores it needs are in (`Pause.ready_ms`: the VAD's
+report, then Whisper + prefill, then Smart Turn where the server would ask it) and its probability clears the threshold for that silence
 (`turn_detection.early_end_ms`), or when the pause lasts the window (800 ms for semantic_vad medium). Reported for
 all clips, the tuning half (even ids) and the held-out half (odd ids): early ends on COMPLETE (the turn ended before
 the window), false ends on PAUSED (the turn ended inside its pause), and the median detection delay on COMPLETE from
@@ -104,12 +104,21 @@ class Pause:
         """The end-of-turn token alone (after whatever punctuation Whisper wrote)."""
         return float(np.exp(self.eot_logprobs[-1])) if self.eot_logprobs else None
 
-    def ready_ms(self) -> float:
-        """Silence after which both scores are in, as the server runs them: the pause is reported at
-        SPECULATE_AFTER_MS (or when the VAD first saw it), then Whisper and the prefill, beside Smart Turn."""
+    def ready_ms(self, rule: str = "combined", policy=None) -> float:
+        """Silence after which the scores `rule` needs are in, as the server would run them: the pause is reported at
+        SPECULATE_AFTER_MS (or when the VAD first saw it), then Whisper and the prefill for a text score, and for the
+        combined rule Smart Turn after them where its score can change the outcome (`turn_detection.audio_matters`,
+        at `policy`, default eagerness medium)."""
         from gateway.realtime.speculation import SPECULATE_AFTER_MS
+        from gateway.realtime.turn_detection import EAGERNESS, audio_matters
 
-        return max(SPECULATE_AFTER_MS, self.seen_ms) + 1000 * max(self.whisper_s + self.prefill_s, self.smart_s)
+        reported = max(SPECULATE_AFTER_MS, self.seen_ms)
+        if rule == "Smart Turn alone":
+            return reported + 1000 * self.smart_s
+        text = reported + 1000 * (self.whisper_s + self.prefill_s)
+        if rule == "combined" and audio_matters(self.p_text, policy or EAGERNESS["medium"]):
+            return text + 1000 * self.smart_s
+        return text
 
 
 @dataclass(slots=True)
@@ -228,7 +237,7 @@ def decide(clip: Clip, rule: str, policy=None, window_ms: int | None = None) -> 
         if rule != "fixed 500 ms" and p.scored:
             at = early_end_ms(probability(p, rule), policy, window)
             if at is not None:
-                at = max(at, p.ready_ms())
+                at = max(at, p.ready_ms(rule, policy))
                 if at < min(p.silence_ms, window):
                     return i, "early", p.silence_start_ms + at - clip.end_of_speech_ms
         if p.silence_ms >= window or i == len(clip.pauses) - 1:
@@ -257,7 +266,7 @@ def timings(clips: list[Clip]) -> str:
     med = lambda f: statistics.median(f(p) for p in last) if last else float("nan")  # noqa: E731
     return (f"median over {len(last)} complete turns: VAD saw the silence at {med(lambda p: p.seen_ms):.0f} ms, "
             f"Whisper {1000 * med(lambda p: p.whisper_s):.0f} ms, prefill {1000 * med(lambda p: p.prefill_s):.0f} ms, "
-            f"Smart Turn {1000 * med(lambda p: p.smart_s):.0f} ms, both scores in at "
+            f"Smart Turn {1000 * med(lambda p: p.smart_s):.0f} ms, the combined rule's scores in at "
             f"{med(lambda p: p.ready_ms()):.0f} ms of silence")
 
 

@@ -149,6 +149,8 @@ class Metrics:
                                    registry=self.registry)
         self.turn_early_ends = Counter("rtserve_turn_early_ends", "Turns ended before the VAD's silence window.",
                                        registry=self.registry)
+        self.turn_audio_scores = Counter("rtserve_turn_audio_scores", "Scored pauses whose text score left the "
+                                         "outcome open, so Smart Turn was asked too.", registry=self.registry)
         self.turn_repairs = Counter("rtserve_turn_repairs", "Early ends undone: the user went on within the grace "
                                     "period, the reply was cancelled and the speech joined the same user item.",
                                     registry=self.registry)

@@ -7,7 +7,8 @@ At a pause of `Eagerness.min_silence_ms` inside a turn, two signals score the tu
   (`SamplingParams.prompt_logprob_positions`);
 - Smart Turn v3.2 (audio/smart_turn.py), P(complete) from the prosody of the last 8 s of audio.
 
-`combine` turns them into one probability. The eagerness's threshold falls as the pause's silence grows (re-checked
+`combine` turns them into one probability; Smart Turn is only asked where its score can change the outcome
+(`audio_matters`). The eagerness's threshold falls as the pause's silence grows (re-checked
 as it does): once the probability clears it, the turn ends there (an early end); otherwise it ends when the VAD's
 window runs out, as before. Why this rule (docs/gateway.md, "Semantic end of turn"):
 the text signal knows that "What is the capital of" is unfinished whatever the voice does, while Smart Turn hears
@@ -87,6 +88,17 @@ def combine(p_text: float | None, p_audio: float | None) -> float:
     return TEXT_WEIGHT * p_text + (1.0 - TEXT_WEIGHT) * p_audio
 
 
+def audio_matters(p_text: float | None, policy: Eagerness) -> bool:
+    """Whether Smart Turn's score can change when, or whether, a pause with this text score ends the turn early: not
+    when the text vetoes, not when the combination clears the shortest silence's threshold whatever the audio says,
+    and not when it stays below the floor whatever the audio says. (`early_end_ms` falls as the probability rises,
+    and `combine` rises with the audio's, so the two ends of the audio's range decide.) Most pauses are one of the
+    three, and the Smart Turn call is skipped there."""
+    if p_text is None or p_text < TEXT_VETO:
+        return False
+    return combine(p_text, 0.0) < policy.threshold and combine(p_text, 1.0) >= policy.floor
+
+
 def early_end_ms(p: float, policy: Eagerness, window_ms: int) -> float | None:
     """The shortest silence (ms) after which a pause whose combined probability is `p` ends the turn early (the
     falling threshold reaches `p`); None: not before the window."""
@@ -117,13 +129,18 @@ class TurnDetector:
     """One session's end-of-turn checks. `start` at a pause (with the turn's audio so far), `text_scored` when the
     pause's prefill returns its end-of-turn logprob, `silence_reached` when the pause lasts the policy's shortest
     silence and again as it grows; once all three are in, `end_turn(span)` is called as soon as the combination
-    clears the threshold for the silence so far. `drop` when the user goes on."""
+    clears the threshold for the silence so far. `drop` when the user goes on.
+
+    Smart Turn runs only after the text score, and only where it can change the outcome (`audio_matters`): at most
+    pauses the text alone settles it, and its call would take a CPU from Whisper and the prefill of the other
+    sessions' turns ending at the same moment."""
 
     def __init__(self, stage: AudioStage, end_turn: Callable[[Span], None], name: str, metrics: Metrics) -> None:
         self.stage, self._end_turn, self.name, self.metrics = stage, end_turn, name, metrics
         self.policy: Eagerness | None = None
         self._verdict: Verdict | None = None
         self._audio_task: asyncio.Task | None = None
+        self._audio: np.ndarray | None = None  # the pausing turn's audio, for Smart Turn if the text leaves it open
 
     def start(self, span: Span, audio_16k: np.ndarray, policy: Eagerness | None) -> None:
         self.drop()
@@ -131,8 +148,7 @@ class TurnDetector:
         if policy is None:
             return
         self._verdict = Verdict(span)
-        self._audio_task = asyncio.create_task(self._score_audio(self._verdict, audio_16k),
-                                               name=f"{self.name}-smart-turn")
+        self._audio = audio_16k
 
     async def _score_audio(self, verdict: Verdict, audio_16k: np.ndarray) -> None:
         try:
@@ -150,6 +166,13 @@ class TurnDetector:
             return
         verdict.p_text = math.exp(logprob) if logprob is not None else None
         verdict.text_done = True
+        if audio_matters(verdict.p_text, self.policy):
+            self.metrics.turn_audio_scores.inc()
+            self._audio_task = asyncio.create_task(self._score_audio(verdict, self._audio),
+                                                   name=f"{self.name}-smart-turn")
+        else:
+            verdict.audio_done = True
+        self._audio = None
         self._decide(verdict)
 
     def silence_reached(self, span: Span, silence_ms: float, window_ms: int) -> None:
@@ -178,7 +201,7 @@ class TurnDetector:
             self._end_turn(verdict.span)
 
     def drop(self) -> None:
-        self._verdict = None
+        self._verdict = self._audio = None
         if self._audio_task is not None:
             self._audio_task.cancel()
             self._audio_task = None

@@ -4,8 +4,14 @@ a turn that ends there ended early. Real speech synthesized in the test (piper, 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
+
+from audio.stage import AudioStage
+from gateway.metrics import Metrics
+from gateway.realtime.turn_detection import EAGERNESS, TurnDetector
+from tests.audio.speech import steady_piper_speech
 
 from tests.gateway.realtime.client import PCM16, check_turn, expect_error, normalize, open_voice, utterance, wer
 
@@ -29,6 +35,35 @@ async def checked(server, before: float) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the pause was never scored")
+
+
+async def test_smart_turn_is_asked_only_where_the_text_leaves_the_end_open():
+    """The detector on a real audio stage: a sure text score ends the turn at the shortest silence with no Smart Turn
+    call; a borderline one asks Smart Turn (the real model) and the check waits for its score, which ends it."""
+    stage, metrics, ended = AudioStage(), Metrics(lambda: None), []
+    detector = TurnDetector(stage, ended.append, "test", metrics)
+    policy, window = EAGERNESS["medium"], 800
+    speech = steady_piper_speech("Can you help me with my homework?")
+    audio_scores = lambda: metrics.registry.get_sample_value("rtserve_turn_audio_scores_total")  # noqa: E731
+    try:
+        sure = (0, 2000)
+        detector.start(sure, speech, policy)
+        detector.text_scored(sure, math.log(0.9))
+        detector.silence_reached(sure, policy.min_silence_ms, window)
+        assert ended == [sure] and audio_scores() == 0
+        borderline = (3000, 5000)
+        detector.start(borderline, speech, policy)
+        detector.text_scored(borderline, math.log(0.12))  # 0.8 × 0.12 < 0.15 <= 0.8 × 0.12 + 0.2
+        detector.silence_reached(borderline, policy.min_silence_ms, window)
+        assert ended == [sure] and audio_scores() == 1  # waiting for Smart Turn
+        for _ in range(200):
+            if len(ended) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert ended == [sure, borderline]  # a complete question: Smart Turn's score lifts it over the threshold
+    finally:
+        detector.drop()
+        stage.close()
 
 
 async def test_a_complete_question_ends_early(server):

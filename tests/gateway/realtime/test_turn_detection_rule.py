@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.realtime.turn_detection import EAGERNESS, TEXT_VETO, Eagerness, combine, early_end_ms
+from gateway.realtime.turn_detection import (EAGERNESS, TEXT_VETO, Eagerness, audio_matters, combine,
+                                             early_end_ms)
 
 WINDOW = 800
 
@@ -52,3 +53,22 @@ def test_the_text_signal_leads_and_vetoes():
 def test_every_eagerness_is_a_falling_threshold_inside_the_unit_interval(eagerness):
     policy = EAGERNESS[eagerness]
     assert 0.0 <= policy.floor <= policy.threshold <= 1.0 and policy.min_silence_ms > 0
+
+
+@pytest.mark.parametrize("eagerness", sorted(EAGERNESS))
+def test_the_audio_is_asked_only_where_it_can_change_when_the_turn_ends(eagerness):
+    """Smart Turn is skipped exactly where every audio score gives the same early end (or none), at every silence
+    window; where it is asked, some audio score moves the end."""
+    policy = EAGERNESS[eagerness]
+    assert not audio_matters(None, policy) and not audio_matters(TEXT_VETO / 2, policy)
+    assert not audio_matters(0.99, policy)  # a sure text score ends the turn at the shortest silence anyway
+    asked = 0
+    for p_text in [i / 200 for i in range(201)]:
+        for window in (policy.min_silence_ms + 1, 500, 800, 1200):
+            ends = {early_end_ms(combine(p_text, a / 20), policy, window) for a in range(21)}
+            if not audio_matters(p_text, policy):
+                assert len(ends) == 1, (p_text, window, ends)
+            elif window == 1200:
+                assert len(ends) > 1, (p_text, ends)
+                asked += 1
+    assert asked > 0
