@@ -220,7 +220,7 @@ class WhisperModel:
     """Whisper tiny.en on torch (CPU): batched log-mel features, encoder, greedy decoder."""
 
     def __init__(self, model, tokenizer, feature_extractor, suppress_ids: Sequence[int],
-                 suppress_begin: Sequence[int], dtype: torch.dtype, pack: bool = True, graphs: bool = True) -> None:
+                 suppress_begin: Sequence[int], dtype: torch.dtype, pack: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.feature_extractor = feature_extractor
@@ -246,15 +246,14 @@ class WhisperModel:
             self.encoder_dtype = torch.float32
         self.encoder_pass = _EncoderPass(model.model.encoder)
         self.decoder_pass = _DecoderPass(model.model.decoder, self._logits)
-        if graphs and settings.enabled("RTSERVE_WHISPER_GRAPH"):
+        if settings.enabled("RTSERVE_WHISPER_GRAPH"):
             self._trace_graphs()
 
     def _trace_graphs(self) -> None:
         """Replace both passes with TorchScript traces of themselves (the same ops, shapes left dynamic). Why: a traced
         graph runs all its ops in C++ with the GIL released, where the Python modules take the GIL back after every
-        op; in the server the event loop, the VAD and the engine hold it in between, and each of the encoder's and
-        the decoder step's many small ops waited for its turn (docs/benchmarks.md, Whisper). On any failure the
-        Python passes stay."""
+        op, and waits for it whenever the event loop, the VAD or the engine holds it (docs/benchmarks.md, "Whisper's
+        passes as traced graphs"). On any failure the Python passes stay."""
         import warnings
         try:
             feats = torch.zeros(1, self.model.config.num_mel_bins, 2 * MIN_CONTEXT_POSITIONS, dtype=self.encoder_dtype)
@@ -272,12 +271,10 @@ class WhisperModel:
     # ---- loading
     @classmethod
     def load(cls, model_dir: str | Path | None = None, cache: str | Path | None = None,
-             dtype: torch.dtype = torch.float32, quiet: bool = False, pack: bool = True,
-             graphs: bool = True) -> "WhisperModel":
+             dtype: torch.dtype = torch.float32, quiet: bool = False, pack: bool = True) -> "WhisperModel":
         """Load from the safetensors cache, converting ``model.bin`` once if the cache is missing. ``pack`` (bf16
         only): the linear layers on 8-bit blocks for the packed kernel where the CPU has one (False: the dense
-        weights on torch's GEMM everywhere). ``graphs``: trace the encoder and the decoder step (`_trace_graphs`;
-        also off with ``RTSERVE_WHISPER_GRAPH=0``)."""
+        weights on torch's GEMM everywhere)."""
         from safetensors.torch import load_file, save_file
         from tokenizers import Tokenizer
         from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
@@ -316,7 +313,7 @@ class WhisperModel:
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         fe = WhisperFeatureExtractor(feature_size=dims["num_mel_bins"])
         return cls(model, tok, fe, ct2_cfg.get("suppress_ids", []),
-                   ct2_cfg.get("suppress_ids_begin", [220, EOT]), dtype, pack, graphs)
+                   ct2_cfg.get("suppress_ids_begin", [220, EOT]), dtype, pack)
 
     # ---- compute
     @staticmethod
