@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+from audio import smart_turn
 from audio.stage import AudioStage
 from audio.tts import SpeechClock
 from tests.audio.speech import steady_piper_speech
@@ -35,6 +36,7 @@ async def test_idle_audio_workers_take_no_cpu():
     stage = AudioStage()
     try:
         await stage.warmup()
+        assert smart_turn._session is not None   # loaded by the warmup, not by the first turn that pauses
         # work once through both workers, so every pool they use exists and has run
         text = await stage.transcriber.transcribe_text(steady_piper_speech("The stage is at rest now."))
         assert "rest" in text.lower()
