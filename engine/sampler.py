@@ -41,13 +41,43 @@ def mask_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
             logits[row, ids] = kept
 
 
+# top-k / top-p / min-p look at this many of a row's largest logits first; a row whose kept set lies inside them (its
+# top-k is no wider, or these candidates already hold its top-p mass) is settled without sorting the whole vocabulary
+TOP_CANDIDATES = 128
+
+
 def top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) the tokens each row's top-k / top-p / min-p would drop. top_k <= 0 means off."""
-    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    """Mask (to -inf) the tokens each row's top-k / top-p / min-p would drop. top_k <= 0 means off.
+
+    The masks are those of a sort of the whole row (`_masks_by_sort`): top-k first, then top-p and min-p on the
+    distribution renormalised over the top-k. A full sort per row and step costs far more than the rest of sampling,
+    so each row's `TOP_CANDIDATES` largest logits come first: when its top-k is no wider than them, or they already
+    hold its top-p mass (every token after them then has at least that mass before it, which top-p drops), the row is
+    settled on them. Only the rows left (a flat distribution with top-p near 1, or a wide top-k) are sorted; each
+    row's outcome depends on that row alone, so a seeded request samples the same whatever shares its batch."""
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
-    drop = ranks >= k
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    n = min(TOP_CANDIDATES, vocab)
+    vals, idx = logits.topk(n, dim=-1)  # descending, like the sort's first n
+    narrow = k <= n
+    # the softmax normaliser over each row's top-k: its candidates' when k <= n, else the whole row's (k = vocab)
+    kept = torch.arange(n).unsqueeze(0) < k.unsqueeze(1)
+    norm = torch.where(narrow, vals.masked_fill(~kept, float("-inf")).logsumexp(-1), logits.logsumexp(-1))
+    probs = (vals - norm.unsqueeze(1)).exp().masked_fill(~kept, 0.0)
+    settled = narrow | ((k == vocab) & (probs.sum(-1) >= top_p))
+    drop = ~kept | ((probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)) | (probs < min_p.unsqueeze(1) * probs[:, :1])
+    drop[:, 0] = False
+    out = torch.full_like(logits, float("-inf")).scatter_(1, idx, vals.masked_fill(drop, float("-inf")))
+    rest = (~settled).nonzero().squeeze(1)
+    if len(rest):
+        out[rest] = _masks_by_sort(logits[rest], k[rest], top_p[rest], min_p[rest])
+    return out
+
+
+def _masks_by_sort(logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """`top_k_top_p_min_p` by a sort of each whole row (`k`: each row's top-k, the vocabulary size when off)."""
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    drop = torch.arange(logits.shape[-1]).unsqueeze(0) >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     # top-p: keep the smallest prefix whose mass reaches p (the token that crosses p is kept)
     cum_before = probs.cumsum(-1) - probs

@@ -7,6 +7,7 @@ from engine import InvalidRequestError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.models.loader import resolve_model_dir
 from engine.request import Request
+from engine import sampler
 from engine.sampler import Sampler, top_k_top_p_min_p
 
 
@@ -76,9 +77,32 @@ def test_top_p_keeps_smallest_set_reaching_p():
 
 
 def test_min_p_mask():
-    probs = torch.tensor([[0.6, 0.3, 0.06, 0.04]])
+    probs = torch.tensor([[0.6, 0.3, 0.07, 0.03]])   # min_p 0.1 of 0.6: 0.06, away from any rounding
     out = top_k_top_p_min_p(probs.log(), torch.tensor([-1]), torch.tensor([1.0]), torch.tensor([0.1]))
-    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(out).tolist() == [[True, True, True, False]]
+
+
+def test_masks_from_the_largest_logits_equal_a_full_sort():
+    """Rows settled on their TOP_CANDIDATES largest logits (a peaked row, a narrow top-k) and rows that need the whole
+    sort (a flat row with top-p near 1, a top-k wider than the candidates, min-p alone) in one batch: each row's mask
+    is the full sort's, and a row's mask does not depend on the rows beside it."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 49152
+    scale = torch.tensor([8.0, 8.0, 0.5, 0.5, 3.0, 8.0, 1.0, 4.0]).unsqueeze(1)
+    logits = torch.randn(8, vocab, generator=g) * scale
+    top_k = torch.tensor([0, 50, 0, 0, 1000, 0, 128, 0])
+    top_p = torch.tensor([0.9, 0.95, 0.9, 1.0, 0.8, 0.999, 0.5, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.01, 0.0, 0.2])
+    k = torch.where(top_k > 0, top_k, vocab)
+    out = top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    want = sampler._masks_by_sort(logits, k, top_p, min_p)
+    assert torch.equal(torch.isfinite(out), torch.isfinite(want))
+    assert torch.equal(out[torch.isfinite(out)], logits[torch.isfinite(out)])
+    settled = [int(torch.isfinite(want[i]).sum()) <= sampler.TOP_CANDIDATES for i in range(8)]
+    assert any(settled) and not all(settled)   # both paths ran
+    for i in range(8):
+        alone = top_k_top_p_min_p(logits[i:i + 1], top_k[i:i + 1], top_p[i:i + 1], min_p[i:i + 1])
+        assert torch.equal(torch.isfinite(alone[0]), torch.isfinite(out[i]))
 
 
 def test_sampled_tokens_respect_top_k():
