@@ -379,7 +379,8 @@ class WhisperModel:
         """fp32 logits of the given positions only (HF's head would project every position of the step)."""
         weight = self.model.proj_out.weight
         if self._proj_blocks is not None:
-            return kernels.linear_gguf(hidden.to(torch.bfloat16), *self._proj_blocks)[:, :weight.shape[0]].float()
+            blocks = _blocks_for(hidden.shape[0], *self._proj_blocks)
+            return kernels.linear_gguf(hidden.to(torch.bfloat16), *blocks)[:, :weight.shape[0]].float()
         return torch.nn.functional.linear(hidden, weight).float()
 
     def detokenize(self, tokens: Sequence[int]) -> str:
@@ -392,10 +393,11 @@ class WhisperModel:
         return [self.detokenize(t).strip() for t in self.decode_greedy(enc, caps)]
 
 
-def _quantize_linears(model) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _quantize_linears(model) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple | None] | None:
     """Put every linear layer of the encoder and the decoder, and the vocabulary projection, on GGUF Q8_0 blocks for
     `kernels.linear_gguf`, where the CPU has a packed kernel. Returns the projection's packed blocks (padded to a
-    multiple of 32 rows), or None without a packed kernel.
+    multiple of 32 rows) and its blocks for small batches (`kernels.pack_gguf_small_batches`: on AMX, the decoder's
+    few rows go to the integer dots, as the LLM's decode steps do), or None without a packed kernel.
 
     Why 8-bit blocks: CTranslate2 ships these weights as int8 with one scale per row, so blocks of 32 with their own
     scale hold them as closely. On a VNNI CPU the kernel multiplies them as int8 dot products, at every batch size:
@@ -409,20 +411,29 @@ def _quantize_linears(model) -> tuple[torch.Tensor, torch.Tensor] | None:
     for lin in model.model.modules():
         if isinstance(lin, torch.nn.Linear) and lin is not model.proj_out:
             if kernels.weight_isa(lin.weight.to(torch.bfloat16)) is not kernels.Isa.NONE:
-                blocks = kernels.pack_gguf(*kernels.quantize_q8_0(lin.weight))
+                q8 = kernels.quantize_q8_0(lin.weight)
+                blocks = kernels.pack_gguf(*q8), kernels.pack_gguf_small_batches(*q8)
                 lin.forward = functools.partial(_q8_forward, lin, blocks, any_rows)
     w = model.proj_out.weight.detach()
     pad = -w.shape[0] % 32
     w = torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
-    return kernels.pack_gguf(*kernels.quantize_q8_0(w))
+    q8 = kernels.quantize_q8_0(w)
+    return kernels.pack_gguf(*q8), kernels.pack_gguf_small_batches(*q8)
 
 
-def _q8_forward(lin: torch.nn.Linear, blocks: tuple[torch.Tensor, torch.Tensor], any_rows: bool,
-                x: torch.Tensor) -> torch.Tensor:
+def _blocks_for(rows: int, blocks: tuple[torch.Tensor, torch.Tensor],
+                small: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packing that multiplies `rows` rows: the small-batch one up to kernels.AMX_VNNI_MAX_ROWS where it exists.
+    (In a traced decoder step the choice is the traced row count's: the decoder's rows are a few.)"""
+    return small if small is not None and rows <= kernels.AMX_VNNI_MAX_ROWS else blocks
+
+
+def _q8_forward(lin: torch.nn.Linear, blocks: tuple[tuple[torch.Tensor, torch.Tensor], tuple | None],
+                any_rows: bool, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if rows > kernels.PACKED_MAX_ROWS and not any_rows:
         return torch.nn.functional.linear(x, lin.weight, lin.bias)
-    y = kernels.linear_gguf(x.reshape(rows, x.shape[-1]).to(torch.bfloat16), *blocks, lin.bias)
+    y = kernels.linear_gguf(x.reshape(rows, x.shape[-1]).to(torch.bfloat16), *_blocks_for(rows, *blocks), lin.bias)
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_ext
-from kernels.linear import PACKED_MAX_ROWS
+from kernels.linear import AMX_VNNI_MAX_ROWS, PACKED_MAX_ROWS
 
 
 @dataclass(slots=True)
@@ -26,6 +26,8 @@ class LinearWeights:
     int4_scales_and_zeros: torch.Tensor | None = None
     wide: torch.Tensor | None = None                    # fp32 copy for batches above PACKED_MAX_ROWS
     int4_max_rows: int | None = None                    # None: no 4-bit weight
+    vnni_qs: torch.Tensor | None = None                 # GGUF blocks in the integer-dot order, up to AMX_VNNI_MAX_ROWS
+    vnni_dm: torch.Tensor | None = None                 # rows on an AMX CPU (kernels.linear.pack_gguf_small_batches)
 
 
 @dataclass(slots=True)
@@ -65,4 +67,4 @@ def decode_layers(x, cos, sin, slot_mapping, block_tables, seq_lens, kv_cache, w
     """The final hidden states of a decode-only step (one token per sequence), `weights` from `flatten`."""
     rows = torch.arange(x.shape[0])
     return cpu_ext.decode_layers()(x, cos, sin, slot_mapping, block_tables, seq_lens, rows, rows, kv_cache, weights,
-                                   num_heads, eps, scale, int4_max_rows, PACKED_MAX_ROWS)
+                                   num_heads, eps, scale, int4_max_rows, AMX_VNNI_MAX_ROWS, PACKED_MAX_ROWS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_ext
+from kernels import cpu_ext, settings
 from kernels.cpu import Isa, packed_isa
 
 # bf16 tiles up to this many rows; above, oneDNN's bf16 GEMM (AMX) or MKL's fp32 one (`wide`) is at least as fast
@@ -21,6 +21,10 @@ FP16_MAX_WEIGHT = 32.0
 # where `linear_gguf` takes every batch size, prefill included: fp16 FMAs and int8 dot products beat MKL's fp32 GEMM
 # there too (docs/benchmarks.md); elsewhere it takes up to PACKED_MAX_ROWS rows
 GGUF_ANY_ROWS = (Isa.AVX512_FP16, Isa.AVX512_VNNI)
+# On AMX the tile kernel dequantizes every GGUF block to bf16 whatever the batch, which at a few rows costs more than
+# the integer dots (AMX CPUs have VNNI too); there the blocks are packed a second time, in the integer-dot order, for
+# batches up to this many rows (the crossover, measured for Q4_1 and Q8_0 matrices: docs/benchmarks.md)
+AMX_VNNI_MAX_ROWS = 8
 
 
 def weight_isa(weight: torch.Tensor) -> Isa:
@@ -150,6 +154,22 @@ def pack_gguf(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -
     if m is None:
         return pack_gguf_vnni_q8_0(q, d) if vnni else pack_gguf_q8_0(q, d)
     return pack_gguf_vnni_q4_1(q, d, m) if vnni else pack_gguf_q4_1(q, d, m)
+
+
+def int8_small_batches() -> bool:
+    """Whether GGUF blocks get a second packing, in the integer-dot order, for batches of up to AMX_VNNI_MAX_ROWS
+    rows: on an AMX CPU whose build has the VNNI kernel, unless `RTSERVE_VNNI=0`. (Elsewhere `pack_gguf` picks one
+    order for every batch size.)"""
+    return packed_isa() is Isa.AMX and settings.enabled("RTSERVE_VNNI") and bool(cpu_ext.ops().vnni_usable())
+
+
+def pack_gguf_small_batches(q: torch.Tensor, d: torch.Tensor,
+                             m: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The blocks (as `pack_gguf` takes them) in the integer-dot order for small batches (`int8_small_batches`), or
+    None where they get no second packing."""
+    if not int8_small_batches():
+        return None
+    return pack_gguf_vnni_q8_0(q, d) if m is None else pack_gguf_vnni_q4_1(q, d, m)
 
 
 def linear_gguf(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

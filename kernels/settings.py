@@ -37,8 +37,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("RTSERVE_VNNI", "1",
              "`0`: on an AVX-512 VNNI CPU without AMX or AVX-512 FP16, GGUF blocks run as fp32 FMAs on dequantized "
              "weights instead of int8 dot products against int8-quantized activations (llama.cpp's scheme, the "
-             "default there, much faster; its activation rounding changes some greedy outputs, docs/kernels.md). For "
-             "A/B runs."),
+             "default there, much faster; its activation rounding changes some greedy outputs, docs/kernels.md); on "
+             "an AMX CPU, batches of up to 8 rows run on the AMX tiles too instead of the int8 dot products. For A/B "
+             "runs."),
     Variable("RTSERVE_DECODE_STACK", "1",
              "`0`: decode steps run the decoder layers one Python call at a time instead of in one C++ call. For A/B "
              "runs."),

@@ -13,6 +13,8 @@ kernels run on those blocks, each at the batch sizes where it measured fastest (
   AMX it runs as fp16 FMAs on blocks dequantized to fp16 and takes every batch size, prefill included; on an AVX-512
   VNNI CPU with neither (`Isa.AVX512_VNNI`) as int8 dot products against x quantized to int8 per block of 32, as
   llama.cpp does, also at every batch size (it beats the fp32 FMAs, the 4-bit kernel and MKL at each one measured).
+  On AMX the same int8 dot products take batches of up to kernels.AMX_VNNI_MAX_ROWS rows (`small_blocks`, a second
+  packing): there the tiles' cost is the dequantization, whatever the batch, and the dots beat it and the 4-bit kernel.
 
 Elsewhere prefill chunks and larger batches keep the dense bf16 weights (oneDNN on AMX; without AMX, MKL's fp32 GEMM
 on an fp32 copy, `kernels.pack_wide_weight`).
@@ -67,13 +69,19 @@ class GGUFLinear(nn.Module):
         self.packed_any_rows = isa in kernels.GGUF_ANY_ROWS
         # prefill-sized batches on AVX-512 without FP16 or AMX, unless the blocks take those too
         self.wide = None if self.packed_any_rows else kernels.pack_wide_weight(self.weight)
+        # (qs, dm) in the integer-dot order for small batches on AMX (kernels.pack_gguf_small_batches), or None
+        self.small_blocks = None if isa is not Isa.AMX else blocks.pack_small_batches()
         self.int4_planes = blocks.int4_planes(self.weight.dtype)
         self.int4_max_rows = INT4_MAX_ROWS[isa]
-        if self.packed_blocks is not None and len(self.int4_planes) > 1:
-            self.int4_max_rows = 0   # Q8_0 (lm_head): its two 4-bit passes lose to the packed kernel at every size
+        if self.small_blocks is not None or (self.packed_blocks is not None and len(self.int4_planes) > 1):
+            # the integer dots beat the 4-bit kernel from 1 row; and for Q8_0 (lm_head) its two 4-bit passes lose to
+            # the packed kernel at every size
+            self.int4_max_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.small_blocks is not None and rows <= kernels.AMX_VNNI_MAX_ROWS:
+            return kernels.linear_gguf(x, *self.small_blocks, self.bias)
         if rows > self.int4_max_rows:
             if self.packed_blocks is not None and (rows <= kernels.PACKED_MAX_ROWS or self.packed_any_rows):
                 return kernels.linear_gguf(x, *self.packed_blocks, self.bias)
@@ -89,10 +97,11 @@ class GGUFLinear(nn.Module):
         if len(self.int4_planes) != 1:
             return None
         qs, dm = self.packed_blocks if self.packed_blocks is not None else (None, None)
+        vnni_qs, vnni_dm = self.small_blocks if self.small_blocks is not None else (None, None)
         plane = self.int4_planes[0]
         return LinearWeights(weight=self.weight, bias=self.bias, gguf_qs=qs, gguf_dm=dm, int4_weight=plane.packed,
                              int4_scales_and_zeros=plane.scales_and_zeros, wide=self.wide,
-                             int4_max_rows=self.int4_max_rows)
+                             int4_max_rows=self.int4_max_rows, vnni_qs=vnni_qs, vnni_dm=vnni_dm)
 
     def dequantized_int4(self) -> torch.Tensor:
         """The weight torch's 4-bit kernel multiplies by, as a dense matrix (for checks)."""
@@ -119,6 +128,11 @@ class GgufBlocks:
         """(qs, dm) in the order `kernels.linear_gguf` runs them in on this CPU (kernels.pack_gguf)."""
         return kernels.pack_gguf(torch.from_numpy(self.q), torch.from_numpy(self.d),
                                  None if self.m is None else torch.from_numpy(self.m))
+
+    def pack_small_batches(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(qs, dm) for small batches on an AMX CPU (kernels.pack_gguf_small_batches), or None."""
+        return kernels.pack_gguf_small_batches(torch.from_numpy(self.q), torch.from_numpy(self.d),
+                                               None if self.m is None else torch.from_numpy(self.m))
 
     def int4_planes(self, dtype: torch.dtype) -> list[Int4Plane]:
         d = self.d.astype(np.float32)

@@ -37,7 +37,9 @@ namespace {
   X(kGgufDm, "gguf_dm")                                                                                        \
   X(kInt4Weight, "int4_weight")        /* torch's 4-bit CPU kernel: packed weight ... */                        \
   X(kInt4Scales, "int4_scales_and_zeros") /* ... and its per-group scales and zeros */                          \
-  X(kWide, "wide")                     /* fp32 copy for batches above packed_max_rows */
+  X(kWide, "wide")                     /* fp32 copy for batches above packed_max_rows */                        \
+  X(kVnniQs, "vnni_qs")                /* GGUF blocks in VNNI order: batches up to vnni_max_rows (AMX CPUs) */  \
+  X(kVnniDm, "vnni_dm")
 
 #define RTSERVE_ENUM(name, str) name,
 enum LinearSlot : int64_t { RTSERVE_LINEAR_SLOTS(RTSERVE_ENUM) kSlotsPerLinear };
@@ -61,9 +63,12 @@ using Slots = std::vector<c10::optional<at::Tensor>>;
 bool has(const Slots& w, int64_t i) { return w[i].has_value() && w[i]->defined(); }
 
 // The linear layer whose slots start at w[s].
-at::Tensor linear(const at::Tensor& x, const Slots& w, int64_t s, int64_t int4_max_rows, int64_t packed_max_rows) {
+at::Tensor linear(const at::Tensor& x, const Slots& w, int64_t s, int64_t int4_max_rows, int64_t vnni_max_rows,
+                  int64_t packed_max_rows) {
   const int64_t rows = x.size(0);
   const c10::optional<at::Tensor> bias = has(w, s + kBias) ? w[s + kBias] : c10::nullopt;
+  if (has(w, s + kVnniQs) && rows <= vnni_max_rows)   // the integer dots on an AMX CPU (GGUFLinear's small batches)
+    return packed_linear_gguf(x, *w[s + kVnniQs], *w[s + kVnniDm], bias);
   if (has(w, s + kInt4Weight) && rows <= int4_max_rows) {   // torch's 4-bit kernel (GGUFLinear at 1-2 rows)
     at::Tensor y =
         at::_weight_int4pack_mm_for_cpu(x.contiguous(), *w[s + kInt4Weight], kInt4Group, *w[s + kInt4Scales]);
@@ -102,7 +107,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& rows, const at::Tensor& seqs, const at::Tensor& kv_cache,
                          const c10::List<c10::optional<at::Tensor>>& weight_list, int64_t num_heads, double eps,
-                         double scale, int64_t int4_max_rows, int64_t packed_max_rows) {
+                         double scale, int64_t int4_max_rows, int64_t vnni_max_rows, int64_t packed_max_rows) {
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
               "decode_layers: kv_cache must be [layers, 2, pages, page_size, kv_heads, head_dim] contiguous");
   const int64_t layers = kv_cache.size(0), tokens = x.size(0), d = kv_cache.size(5);
@@ -119,14 +124,16 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
     const at::Tensor& input_norm = *weights[base + kInputNorm];
     h = i == 0 ? rms_norm(x.contiguous(), input_norm, eps) : add_rms_norm(hidden, residual, input_norm, eps);
     const at::Tensor k_cache = kv_cache.select(0, i).select(0, 0), v_cache = kv_cache.select(0, i).select(0, 1);
-    const at::Tensor qkv = linear(h, weights, base + kQkv, int4_max_rows, packed_max_rows);
+    const at::Tensor qkv = linear(h, weights, base + kQkv, int4_max_rows, vnni_max_rows, packed_max_rows);
     const at::Tensor q = rope_store(qkv, c, s, slot_mapping, k_cache, v_cache, num_heads);
     at::Tensor o = at::empty_like(q);
     paged_decode(q, k_cache, v_cache, block_tables, seq_lens, rows, seqs, scale, o);
-    const at::Tensor attn = linear(o.view({tokens, -1}), weights, base + kO, int4_max_rows, packed_max_rows);
+    const at::Tensor attn =
+        linear(o.view({tokens, -1}), weights, base + kO, int4_max_rows, vnni_max_rows, packed_max_rows);
     h = add_rms_norm(attn, residual, *weights[base + kPostAttentionNorm], eps);
-    const at::Tensor act = silu_and_mul(linear(h, weights, base + kGateUp, int4_max_rows, packed_max_rows));
-    hidden = linear(act, weights, base + kDown, int4_max_rows, packed_max_rows);
+    const at::Tensor act =
+        silu_and_mul(linear(h, weights, base + kGateUp, int4_max_rows, vnni_max_rows, packed_max_rows));
+    hidden = linear(act, weights, base + kDown, int4_max_rows, vnni_max_rows, packed_max_rows);
   }
   return add_rms_norm(hidden, residual, *weights.back(), eps);
 }
@@ -134,7 +141,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
 TORCH_LIBRARY_FRAGMENT(rtserve_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "Tensor rows, Tensor seqs, Tensor(a!) kv_cache, Tensor?[] weights, int num_heads, float eps, float scale, "
-        "int int4_max_rows, int packed_max_rows) -> Tensor");
+        "int int4_max_rows, int vnni_max_rows, int packed_max_rows) -> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
   m.def("decode_stack_slots() -> str[]", TORCH_FN(decode_stack_slots));
 }

@@ -26,6 +26,8 @@ from tests.engine.prompts import PROMPTS
 
 # The design (docs/benchmarks.md has the measurements): torch's 4-bit kernel takes batches up to this many rows, the
 # packed kernel the rest up to kernels.PACKED_MAX_ROWS (on AVX-512 FP16 and VNNI: every size), dense weights beyond.
+# On AMX the integer dots take batches up to kernels.AMX_VNNI_MAX_ROWS instead of the 4-bit kernel (unless
+# RTSERVE_VNNI=0, kernels.int8_small_batches).
 INT4_MAX_ROWS = {Isa.NONE: 8, Isa.AMX: 2, Isa.AVX512_FP32: 4, Isa.AVX512_FP16: 0, Isa.AVX512_VNNI: 0}
 
 
@@ -87,16 +89,22 @@ def test_each_batch_size_takes_its_kernel():
     vnni = kernels.packed_isa() is Isa.AVX512_VNNI
     packed = kernels.pack_linear_weight(lin.weight) if not fp16 else \
         kernels.tile_order(_file_weight_fp16("blk.3.ffn_gate.weight", "blk.3.ffn_up.weight"))
-    int4_max_rows = INT4_MAX_ROWS[kernels.packed_isa()]
+    small = kernels.int8_small_batches()
+    assert all((m.small_blocks is not None) == small for m in model.modules() if isinstance(m, GGUFLinear))
+    int4_max_rows = 0 if small else INT4_MAX_ROWS[kernels.packed_isa()]
     x = torch.randn(1, lin.weight.shape[1], dtype=torch.bfloat16)
-    assert torch.equal(model.lm_head(x), torch.ops.rtserve_cpu.packed_linear_gguf(
-        x, *model.lm_head.packed_blocks, None))                         # the Q8_0 lm_head: packed from 1 row
-    for rows in sorted({1, max(int4_max_rows, 1), int4_max_rows + 1, 12, 13, 32, kernels.PACKED_MAX_ROWS,
+    assert torch.equal(model.lm_head(x), torch.ops.rtserve_cpu.packed_linear_gguf(   # the Q8_0 lm_head: packed
+        x, *(model.lm_head.small_blocks if small else model.lm_head.packed_blocks), None))   # from 1 row
+    for rows in sorted({1, max(int4_max_rows, 1), int4_max_rows + 1, kernels.AMX_VNNI_MAX_ROWS,
+                        kernels.AMX_VNNI_MAX_ROWS + 1, 12, 13, 32, kernels.PACKED_MAX_ROWS,
                         kernels.PACKED_MAX_ROWS + 1}):               # 12 / 13: the ring and the buffer (fp16)
         x = torch.randn(rows, lin.weight.shape[1], dtype=torch.bfloat16)
         dense = torch.nn.functional.linear(x, lin.weight)
         y = lin(x)
-        if rows > int4_max_rows and fp16:                                  # fp16 FMAs at every size ...
+        if small and rows <= kernels.AMX_VNNI_MAX_ROWS:                    # AMX, small batches: the integer dots
+            assert torch.equal(y, torch.ops.rtserve_cpu.packed_linear_gguf(x, *lin.small_blocks, None))
+            assert not torch.equal(y, dense)
+        elif rows > int4_max_rows and fp16:                                # fp16 FMAs at every size ...
             assert torch.equal(y, torch.ops.rtserve_cpu.packed_linear(x, packed, None))   # ... on the file's weights
         elif vnni:                                                         # int8 dot products at every size
             assert torch.equal(y, torch.ops.rtserve_cpu.packed_linear_gguf(x, *lin.packed_blocks, None))
@@ -116,13 +124,13 @@ def test_each_batch_size_takes_its_kernel():
 def test_decode_logprobs_close_to_hf_bf16():
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=torch.bfloat16).eval()
     llm = LLM(kv_cache_memory="64MiB", dtype="bfloat16", quantization="gguf")
-    vnni = kernels.packed_isa() is Isa.AVX512_VNNI
+    vnni = kernels.packed_isa() is Isa.AVX512_VNNI or kernels.int8_small_batches()   # int8 activations in decode
     for prompt in PROMPTS[:3]:
         ids = llm.tokenizer(prompt, add_special_tokens=False).input_ids
         out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, logprobs=5))[0]
         with torch.inference_mode():       # HF's next-token distribution at every position we decoded
             ref = hf(torch.tensor([ids + out.token_ids[:-1]])).logits[0, len(ids) - 1:].float().log_softmax(-1)
-        for step, (_, top) in enumerate(out.logprobs):   # steps after the first are batch-1 decodes on the 4-bit path
+        for step, (_, top) in enumerate(out.logprobs):   # steps after the first are batch-1 decodes
             chosen = top[0][0]
             assert float(ref[step].max() - ref[step, chosen]) < 0.35, (prompt, step)  # HF's pick, or a near-tie in bf16
             for tok, lp in top:   # as close as dense bf16 is; int8 activations (AVX512_VNNI, as llama.cpp's) move a

@@ -108,17 +108,22 @@ def test_vnni_kernel_on_the_files_weights(name, rows_of_tensor):
 
 @needs_vnni
 def test_vnni_order_and_switch(monkeypatch):
-    """On a VNNI CPU without AMX / FP16, GGUF blocks are packed in the integer-dot order; `RTSERVE_VNNI=0` (read when
-    asked) packs them in tile order for the fp32 FMAs instead. Tile-order blocks still run (as fp32 FMAs) either way."""
+    """On a VNNI CPU without AMX / FP16, GGUF blocks are packed in the integer-dot order; on an AMX CPU they get that
+    packing too, for small batches, beside the tile order. `RTSERVE_VNNI=0` (read when asked) packs them in tile order
+    only (for the fp32 FMAs, or AMX). Tile-order blocks still run (as fp32 FMAs) either way."""
     monkeypatch.delenv("RTSERVE_VNNI", raising=False)   # the default, whatever the run's environment says
     kind, raw, w = _file_tensor("blk.0.attn_q.weight", None)
     b = READERS[kind](raw)
     args = torch.from_numpy(b.q), torch.from_numpy(b.d), torch.from_numpy(b.m)
     isa = kernels.cpu_isa()
     assert (kernels.pack_gguf(*args)[0].shape[-1] == 64) == (isa is Isa.AVX512_VNNI)
+    small = kernels.pack_gguf_small_batches(*args)     # AMX: a second packing, in that order, for small batches
+    assert (small is not None) == (isa is Isa.AMX) == kernels.int8_small_batches()
+    assert small is None or small[0].shape[-1] == 64
     monkeypatch.setenv("RTSERVE_VNNI", "0")
     assert kernels.packed_isa() is (Isa.AVX512_FP32 if isa is Isa.AVX512_VNNI else isa)
     assert kernels.pack_gguf(*args)[0].shape[-1] == 16
+    assert kernels.pack_gguf_small_batches(*args) is None and not kernels.int8_small_batches()
     x = torch.randn(5, w.shape[1]).bfloat16()
     tile = kernels.linear_gguf(x, *kernels.pack_gguf_q4_1(*args)).double()          # bf16(w), fp32 FMAs
     vnni = kernels.linear_gguf(x, *kernels.pack_gguf_vnni_q4_1(*args)).double()     # w on x^
@@ -141,8 +146,9 @@ NEAR_TIE = 1.0        # where the texts part, the default path's pick is this cl
 
 
 def test_greedy_text_on_int8_activations_matches_the_fp32_path(monkeypatch):
-    """The engine's default path on this CPU (on a VNNI CPU: int8 activations in every GGUF layer, prefill included)
-    against the one `RTSERVE_VNNI=0` selects (bf16 weights times bf16 activations in fp32), greedy on 4 prompts.
+    """The engine's default path on this CPU (on a VNNI CPU: int8 activations in every GGUF layer, prefill included;
+    on AMX: in decode steps of up to kernels.AMX_VNNI_MAX_ROWS rows) against the one `RTSERVE_VNNI=0` selects (bf16
+    weights times bf16 activations in fp32; on AMX, the tiles), greedy on 4 prompts.
     Asserted: up to where the two texts part, every token's logprob agrees within LOGPROB_TOL (same context, so the
     same distribution up to the rounding); where they part, the fp32 path itself ranked the default path's pick within
     NEAR_TIE of its best (a near-tie went the other way, not a wrong token); the text is words. Why not equal texts:

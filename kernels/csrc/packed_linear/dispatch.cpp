@@ -8,7 +8,8 @@
 //     tile: to bf16 (AMX, fp32 FMAs), each weight bit for bit gguf's fp32 dequantization rounded to bf16, so the
 //     result equals packed_linear on the dense bf16 weight; or, on an AVX-512 FP16 CPU, to fp16 (the file's weight
 //     rounded once). Blocks in VNNI order (kernels.linear.pack_gguf_vnni_*, packed so on an AVX-512 VNNI CPU without
-//     AMX or FP16) go to the int8 dot products of avx512_vnni.cpp, on x quantized to int8 per block.
+//     AMX or FP16, and on an AMX CPU for small batches) go to the int8 dot products of avx512_vnni.cpp, on x quantized
+//     to int8 per block.
 // Accumulation is fp32 (fp16 partial sums flushed into fp32 on the FP16 kernel) and the output is rounded once to
 // bf16, as oneDNN does.
 #include <torch/library.h>
@@ -107,6 +108,9 @@ at::Tensor run(const at::Tensor& x, const Weight& w, Isa isa, const c10::optiona
 
 int64_t packed_isa_op() { return static_cast<int64_t>(cpu_isa()); }
 
+// Whether GGUF blocks in VNNI order can run here (any CPU with AVX-512 BF16 and VNNI, AMX ones included).
+bool vnni_usable_op() { return vnni_usable(); }
+
 }  // namespace
 }  // namespace rtserve
 
@@ -146,6 +150,7 @@ at::Tensor packed_linear_gguf(const at::Tensor& x, const at::Tensor& qs, const a
 
 TORCH_LIBRARY_FRAGMENT(rtserve_cpu, m) {
   m.def("packed_isa() -> int", TORCH_FN(rtserve::packed_isa_op));
+  m.def("vnni_usable() -> bool", TORCH_FN(rtserve::vnni_usable_op));
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(packed_linear));
   m.def("packed_linear_gguf(Tensor x, Tensor qs, Tensor dm, Tensor? bias) -> Tensor");
