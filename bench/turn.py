@@ -13,7 +13,8 @@ template, the voice session's instructions), and Smart Turn on the audio; each t
 (turn_detection.EAGERNESS, its falling threshold):
 - fixed 500 ms: server_vad's window, no early end;
 - end-of-turn token alone, text alone (the token jointly with Whisper's punctuation before it), Smart Turn alone;
-- combined: `turn_detection.combine`, the server's rule.
+- combined: `turn_detection.combine`, the server's rule (with P(a sentence ends after the words) from the same
+  prefill's top logprobs; a dump written before it had none, and replays the rule without that term).
 A rule ends a turn at a pause at the first silence at which the scores it needs are in (`Pause.ready_ms`: the VAD's
 report, then Whisper + prefill, then Smart Turn where the server would ask it) and its probability clears the threshold for that silence
 (`turn_detection.early_end_ms`), or when the pause lasts the window (800 ms for semantic_vad medium). Reported for
@@ -85,6 +86,7 @@ class Pause:
     seen_ms: float = 0.0  # silence the VAD had counted when it first reported the pause (silero's lag shows here)
     transcript: str = ""
     eot_logprobs: list[float] | None = None  # the prefill's logprobs at end_of_turn_positions (punctuation.., token)
+    p_sentence_end: float | None = None  # P(a sentence ends after the words), from the same prefill's top logprobs
     p_audio: float | None = None
     whisper_s: float = 0.0
     prefill_s: float = 0.0
@@ -116,7 +118,7 @@ class Pause:
         if rule == "Smart Turn alone":
             return reported + 1000 * self.smart_s
         text = reported + 1000 * (self.whisper_s + self.prefill_s)
-        if rule == "combined" and audio_matters(self.p_text, policy or EAGERNESS["medium"]):
+        if rule == "combined" and audio_matters(self.p_text, policy or EAGERNESS["medium"], self.p_sentence_end):
             return text + 1000 * self.smart_s
         return text
 
@@ -173,12 +175,13 @@ def score(clips: list[tuple[str, int, str, np.ndarray, float]]) -> list[Clip]:
     from audio import smart_turn
     from audio.whisper import get_whisper
     from engine import LLMEngine, SamplingParams
-    from gateway.realtime.response import end_of_turn_positions, stop_token_ids
+    from gateway.realtime.response import SENTENCE_END_TOP, end_of_turn_positions, sentence_end_ids, stop_token_ids
 
     whisper = get_whisper()
     engine = LLMEngine(dtype="bfloat16", quantization="gguf", kv_cache_memory="128MiB")
     tok = engine.tokenizer
     stops = stop_token_ids(tok)
+    ends = sentence_end_ids(tok, tuple(stops))
     out = []
     for kind, index, text, audio, end_ms in clips:
         clip = Clip(kind, index, text, end_ms)
@@ -197,12 +200,14 @@ def score(clips: list[tuple[str, int, str, np.ndarray, float]]) -> list[Clip]:
                 ids = tok.encode(prompt, add_special_tokens=False)
                 positions = end_of_turn_positions(ids, stops, tok.decode)
                 # one salt: the instructions stay cached, as in a session, and only the turn is prefilled
-                engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0,
-                                                       prompt_logprob_positions=positions), cache_salt="bench-turn")
+                engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprob_positions=positions,
+                                                       prompt_logprobs=SENTENCE_END_TOP), cache_salt="bench-turn")
                 while engine.has_unfinished():
                     for o in engine.step():
                         if o.prompt_logprobs:
                             pause.eot_logprobs = [float(o.prompt_logprobs[i]) for i in positions]
+                            pause.p_sentence_end = min(1.0, sum(
+                                float(np.exp(lp)) for t, lp in o.prompt_top_logprobs[positions[0]] if t in ends))
             t2 = time.perf_counter()
             pause.p_audio = smart_turn.score(turn)
             pause.whisper_s, pause.prefill_s, pause.smart_s = t1 - t0, t2 - t1, time.perf_counter() - t2
@@ -220,7 +225,8 @@ def probability(p: Pause, rule: str) -> float:
     from gateway.realtime.turn_detection import combine
 
     return {"end-of-turn token alone": p.p_token or 0.0, "text alone": p.p_text or 0.0,
-            "Smart Turn alone": p.p_audio or 0.0, "combined": combine(p.p_text, p.p_audio)}[rule]
+            "Smart Turn alone": p.p_audio or 0.0,
+            "combined": combine(p.p_text, p.p_audio, p.p_sentence_end)}[rule]
 
 
 def decide(clip: Clip, rule: str, policy=None, window_ms: int | None = None) -> tuple[int, str, float]:
@@ -287,7 +293,7 @@ def save(clips: list[Clip], path: str) -> None:
 
 
 def load(path: str) -> list[Clip]:
-    with open(path) as f:
+    with open(path) as f:   # (a dump from before p_sentence_end leaves it None)
         return [Clip(**{**c, "pauses": [Pause(**p) for p in c["pauses"]]}) for c in json.load(f)]
 
 

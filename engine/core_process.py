@@ -203,4 +203,4 @@ class EngineCoreLoop:
 
 def _output_row(o) -> list:
     return [o.request_id, o.new_token_ids, o.text_delta, o.finished, o.finish_reason, o.num_prompt_tokens,
-            o.num_cached_tokens, o.num_output_tokens, o.logprobs, o.error, o.prompt_logprobs]
+            o.num_cached_tokens, o.num_output_tokens, o.logprobs, o.error, o.prompt_logprobs, o.prompt_top_logprobs]

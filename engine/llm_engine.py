@@ -57,6 +57,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprob_positions: position -> logprob of the prompt's token there, in the request's
     # first output (a position the prefill never computed, e.g. after a preemption, is absent)
     prompt_logprobs: dict[int, float] | None = None
+    # SamplingParams.prompt_logprobs: position -> the top-n (token id, logprob) of the distribution there, likewise
+    prompt_top_logprobs: dict[int, list[tuple[int, float]]] | None = None
 
 
 @dataclass(slots=True)
@@ -427,6 +429,8 @@ class LLMEngine:
         if req.params.prompt_logprob_positions and not req.prompt_logprobs_sent:
             req.prompt_logprobs_sent = True
             out.prompt_logprobs = dict(req.prompt_logprobs)
+            if req.params.prompt_logprobs:
+                out.prompt_top_logprobs = dict(req.prompt_top_logprobs)
         return out
 
     def _track_waste(self) -> None:

@@ -168,5 +168,8 @@ class ModelRunner:
             logprobs = logits[len(logit_rows):].float().log_softmax(-1)
             for j, (req, pos, _) in enumerate(scored):
                 req.prompt_logprobs[pos] = float(logprobs[j, req.token_ids[pos]])
+                if req.params.prompt_logprobs:
+                    top = logprobs[j].topk(req.params.prompt_logprobs)
+                    req.prompt_top_logprobs[pos] = list(zip(top.indices.tolist(), top.values.tolist()))
             logits = logits[:len(logit_rows)]
         return logits, sampling

@@ -49,6 +49,7 @@ class Request:
     finish_time: float | None = None
     stop_reason: str | int | None = None
     prompt_logprobs: dict[int, float] = field(default_factory=dict)   # position -> logprob (params' positions)
+    prompt_top_logprobs: dict[int, list[tuple[int, float]]] = field(default_factory=dict)   # and its top-n there
     prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:

@@ -87,6 +87,9 @@ class SamplingParams:
     # prompt positions whose token's logprob (given the prompt before it) comes back in RequestOutput.prompt_logprobs:
     # vLLM's prompt_logprobs, for a few chosen positions, computed in the prefill's own forward pass
     prompt_logprob_positions: list[int] | None = None
+    # and the top-n logprobs of the distribution at each of them (RequestOutput.prompt_top_logprobs), as vLLM's
+    # prompt_logprobs count gives them: what else the model expected there
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None   # grammar-constrained decoding
 
     def __post_init__(self) -> None:
@@ -128,6 +131,9 @@ class SamplingParams:
         if positions is not None and (not isinstance(positions, (list, tuple)) or len(positions) > 16 or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in positions)):
             bad("prompt_logprob_positions", "must be a list of at most 16 integers >= 1 (position 0 has no logprob)")
+        top = self.prompt_logprobs
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
+            bad("prompt_logprobs", f"must be an integer in [0, 20], got {top!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:

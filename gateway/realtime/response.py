@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -276,15 +277,19 @@ class ResponseRunner:
             return None
         scored = end_of_turn_positions(prompt.ids, self.stop_ids, self.engine.tokenizer.decode) \
             if score_end_of_turn else []
+        ends: frozenset[int] = frozenset()
         if scored:
             sampling.prompt_logprob_positions = scored
+            sampling.prompt_logprobs = SENTENCE_END_TOP
+            ends = await asyncio.to_thread(sentence_end_ids, self.engine.tokenizer, tuple(self.stop_ids))
         speech = None
         # the reply will be spoken: start on it (not when it may call a tool: its text is parsed first, by the
         # response, so no call is ever spoken)
         if self.stage is not None and params.output_modalities == ["audio"] and not params.tools.active:
             speech = SpeechPlan(self.stage, *output_format(config))
         return Pregen(self.engine, f"{self.session_id}-{p.new_id('pre')}", prompt, sampling, speech=speech,
-                      eot_positions=scored, priority=REALTIME_PRIORITY, cache_salt=self.cache_salt, session_id=self.session_id)
+                      eot_positions=scored, sentence_end_ids=ends,
+                      priority=REALTIME_PRIORITY, cache_salt=self.cache_salt, session_id=self.session_id)
 
     def open_sink(self, resp: ActiveResponse):
         """The sink that turns `resp.item`'s text deltas into events: spoken when the response's modalities are
@@ -469,6 +474,22 @@ def end_of_turn_positions(ids: list[int], stop_ids: list[int], decode) -> list[i
     while start > 1 and (piece := decode([ids[start - 1]]).strip()) and all(c in ".?!,;:…" for c in piece):
         start -= 1
     return list(range(start, eot + 1))[-16:]
+
+
+# the top logprobs asked for at the end-of-turn positions: the sentence-end tokens that matter rank among them
+SENTENCE_END_TOP = 20
+
+
+@functools.cache
+def sentence_end_ids(tokenizer, stop_ids: tuple[int, ...]) -> frozenset[int]:
+    """The tokens that end a sentence right after a word: ".", "?", "!" alone or repeated (with or without a leading
+    space), and the end-of-turn tokens. Their share of the distribution after the user's last word is P(a sentence
+    ends there) (turn_detection.combine). Found once per tokenizer, among the tokens of the vocabulary that hold one
+    of those characters."""
+    candidates = [i for t, i in tokenizer.get_vocab().items() if any(c in t for c in ".?!")]
+    ends = {i for i in candidates
+            if (s := tokenizer.decode([i]).strip()) and len(s) <= 3 and all(c in ".?!" for c in s)}
+    return frozenset(ends | set(stop_ids))
 
 
 def stop_token_ids(tokenizer) -> list[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Awaitable, Callable
 
@@ -40,9 +41,10 @@ class Speculation:
 
     def __init__(self, stage: AudioStage, pregenerate: Callable[[str], Awaitable["Pregen | None"]],
                  reply_wanted: Callable[[bool], bool], name: str,
-                 end_of_turn_scored: Callable[[Span, float | None], None] | None = None) -> None:
+                 end_of_turn_scored: Callable[[Span, float | None, float | None], None] | None = None) -> None:
         self.stage, self._pregenerate, self._reply_wanted, self.name = stage, pregenerate, reply_wanted, name
-        self._scored = end_of_turn_scored  # gets the prefill's end-of-turn logprob for the pausing span
+        # gets the prefill's end-of-turn logprob and P(sentence end) for the pausing span
+        self._scored = end_of_turn_scored
         self._pending: tuple[Span, asyncio.Task] | None = None  # the pausing turn's transcription
         self._ended: Span | None = None  # the span whose transcription became the committed turn's
         self.pregen: Pregen | None = None  # the reply to that turn, decoding ahead
@@ -65,7 +67,7 @@ class Speculation:
                     self.pregen = pre
                     self.stage.speculations["pregenerated"] += 1
                     if self._scored is not None and pre.eot_positions:
-                        pre.on_end_of_turn(lambda logprob: self._scored(span, logprob))
+                        pre.on_end_of_turn(lambda logprob, p_end: self._scored(span, logprob, p_end))
                 elif pre is not None:
                     pre.cancel()
             return text
@@ -119,14 +121,19 @@ class Pregen:
     (`take_speech`) and sends their audio without waiting for TTS."""
 
     def __init__(self, engine, request_id: str, prompt, sampling, speech: SpeechPlan | None = None,
-                 eot_positions: list[int] | None = None, **kwargs) -> None:
+                 eot_positions: list[int] | None = None, sentence_end_ids: frozenset[int] = frozenset(),
+                 **kwargs) -> None:
         self.request_id, self.prompt, self.sampling = request_id, prompt, sampling
         # the prompt positions of the turn's end after the user's words (response.end_of_turn_positions), scored by
-        # the prefill (sampling.prompt_logprob_positions); their joint logprob goes to `on_end_of_turn` callbacks
+        # the prefill (sampling.prompt_logprob_positions); their joint logprob goes to `on_end_of_turn` callbacks,
+        # with P(a sentence ends after the words): the `sentence_end_ids` among the top logprobs at the first of them
+        # (sampling.prompt_logprobs)
         self.eot_positions = list(eot_positions or [])
+        self.sentence_end_ids = sentence_end_ids
         self.eot_logprob: float | None = None
+        self.p_sentence_end: float | None = None
         self._eot_known = not self.eot_positions
-        self._eot_callbacks: list[Callable[[float | None], None]] = []
+        self._eot_callbacks: list[Callable[[float | None, float | None], None]] = []
         self.outputs: list = []
         self.finished = False
         self.error: BaseException | None = None
@@ -140,21 +147,29 @@ class Pregen:
         self._task = asyncio.create_task(self._pump(engine.generate(request_id, prompt.ids, sampling, **kwargs)),
                                          name=f"{request_id}-pregen")
 
-    def on_end_of_turn(self, callback: Callable[[float | None], None]) -> None:
-        """Call `callback(logprob)` with the end-of-turn token's logprob (None: the prefill did not score it) as soon
-        as the prefill is done, or now if it is."""
+    def on_end_of_turn(self, callback: Callable[[float | None, float | None], None]) -> None:
+        """Call `callback(logprob, p_sentence_end)` with the end-of-turn token's logprob and P(a sentence ends after
+        the words) (None: the prefill did not score them) as soon as the prefill is done, or now if it is."""
         if self._eot_known:
-            callback(self.eot_logprob)
+            callback(self.eot_logprob, self.p_sentence_end)
         else:
             self._eot_callbacks.append(callback)
 
-    def _end_of_turn(self, logprob: float | None) -> None:
+    def _end_of_turn(self, logprob: float | None, p_sentence_end: float | None = None) -> None:
         if self._eot_known:
             return
-        self._eot_known, self.eot_logprob = True, logprob
+        self._eot_known, self.eot_logprob, self.p_sentence_end = True, logprob, p_sentence_end
         callbacks, self._eot_callbacks = self._eot_callbacks, []
         for callback in callbacks:
-            callback(logprob)
+            callback(logprob, p_sentence_end)
+
+    def _sentence_end(self, top: dict | None) -> float | None:
+        """P(a sentence ends right after the user's words): the sentence-end tokens' share of the distribution at
+        the first scored position (those outside its top logprobs count as 0)."""
+        first = top.get(self.eot_positions[0]) if top and self.eot_positions else None
+        if first is None:
+            return None
+        return min(1.0, sum(math.exp(lp) for tok, lp in first if tok in self.sentence_end_ids))
 
     def _first_piece_done(self) -> None:
         if self._plan is not None:
@@ -181,7 +196,8 @@ class Pregen:
                     if out.prompt_logprobs is not None:
                         lps = out.prompt_logprobs
                         self._end_of_turn(sum(lps[i] for i in self.eot_positions)
-                                          if all(i in lps for i in self.eot_positions) else None)
+                                          if all(i in lps for i in self.eot_positions) else None,
+                                          self._sentence_end(out.prompt_top_logprobs))
                     if self._speaking and out.text_delta:
                         self._say(self._chunker.push(out.text_delta))
                     if self._speaking and out.finished:

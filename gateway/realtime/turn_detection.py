@@ -3,8 +3,10 @@ whole silence window.
 
 At a pause of `Eagerness.min_silence_ms` inside a turn, two signals score the turn so far:
 - the engine's P(end of turn | transcript): the logprob of the chat template's end-of-turn token right after the user's
-  last word, which the pause's speculative prefill (speculation.py) computes in its own forward pass
-  (`SamplingParams.prompt_logprob_positions`);
+  last word, jointly with the punctuation Whisper put before it, which the pause's speculative prefill
+  (speculation.py) computes in its own forward pass (`SamplingParams.prompt_logprob_positions`); and from the same
+  distribution, after the last word, P(a sentence ends there): its sentence-end tokens (".", "?", "!", the end-of-turn
+  token) summed over its top logprobs (`SamplingParams.prompt_logprobs`), whatever Whisper wrote;
 - Smart Turn v3.2 (audio/smart_turn.py), P(complete) from the prosody of the last 8 s of audio.
 
 `combine` turns them into one probability; Smart Turn is only asked where its score can change the outcome
@@ -13,7 +15,11 @@ as it does): once the probability clears it, the turn ends there (an early end);
 window runs out, as before. Why this rule (docs/gateway.md, "Semantic end of turn"):
 the text signal knows that "What is the capital of" is unfinished whatever the voice does, while Smart Turn hears
 falling pitch, which synthetic voices put at the end of every phrase; so the text signal leads and can veto, and the
-audio signal only moves a borderline text score.
+audio signal only moves a borderline text score. The joint text score also vetoes complete turns: a statement the
+model expects more after ("I am feeling tired today."), or a misheard word ("who wrote Romito and Juliet", no "?").
+So a second way ends a turn: both signals agree that a sentence can end here, P(sentence end) × Smart Turn, where
+neither alone suffices (each fails on the other's cases: Whisper's invented endings on cut utterances sound unfinished,
+and "What is the capital of" never reads as a sentence end).
 
 A turn that ended early and goes on within `REPAIR_GRACE_MS` is repaired (audio_in.py, session.py): the reply is
 cancelled and the new speech joins the same user item.
@@ -78,25 +84,26 @@ def policy(turn: dict | None) -> Eagerness | None:
     return EAGERNESS[key] if key else None
 
 
-def combine(p_text: float | None, p_audio: float | None) -> float:
-    """P(the turn is over) from both signals; 0 without the text signal (audio alone ends no turn early: synthetic and
-    flat voices fool it) or when the text vetoes."""
+def combine(p_text: float | None, p_audio: float | None, p_sentence_end: float | None = None) -> float:
+    """P(the turn is over) from both signals: the text score weighted with the audio's, 0 without the text signal
+    (audio alone ends no turn early: synthetic and flat voices fool it) or when the text vetoes; or, if higher, the
+    two signals' agreement, P(sentence end) × P(audio complete)."""
+    agree = p_sentence_end * p_audio if p_sentence_end is not None and p_audio is not None else 0.0
     if p_text is None or p_text < TEXT_VETO:
-        return 0.0
+        return agree
     if p_audio is None:
         return p_text
-    return TEXT_WEIGHT * p_text + (1.0 - TEXT_WEIGHT) * p_audio
+    return max(TEXT_WEIGHT * p_text + (1.0 - TEXT_WEIGHT) * p_audio, agree)
 
 
-def audio_matters(p_text: float | None, policy: Eagerness) -> bool:
-    """Whether Smart Turn's score can change when, or whether, a pause with this text score ends the turn early: not
-    when the text vetoes, not when the combination clears the shortest silence's threshold whatever the audio says,
-    and not when it stays below the floor whatever the audio says. (`early_end_ms` falls as the probability rises,
-    and `combine` rises with the audio's, so the two ends of the audio's range decide.) Most pauses are one of the
-    three, and the Smart Turn call is skipped there."""
-    if p_text is None or p_text < TEXT_VETO:
-        return False
-    return combine(p_text, 0.0) < policy.threshold and combine(p_text, 1.0) >= policy.floor
+def audio_matters(p_text: float | None, policy: Eagerness, p_sentence_end: float | None = None) -> bool:
+    """Whether Smart Turn's score can change when, or whether, a pause with these text scores ends the turn early:
+    not when the combination clears the shortest silence's threshold whatever the audio says, and not when it stays
+    below the floor whatever the audio says (the text vetoes and no sentence can end here, mostly). (`early_end_ms`
+    falls as the probability rises, and `combine` rises with the audio's, so the two ends of the audio's range
+    decide.) Most pauses are one of the two, and the Smart Turn call is skipped there."""
+    return combine(p_text, 0.0, p_sentence_end) < policy.threshold and \
+        combine(p_text, 1.0, p_sentence_end) >= policy.floor
 
 
 def early_end_ms(p: float, policy: Eagerness, window_ms: int) -> float | None:
@@ -116,6 +123,7 @@ def early_end_ms(p: float, policy: Eagerness, window_ms: int) -> float | None:
 class Verdict:
     span: Span
     p_text: float | None = None
+    p_sentence_end: float | None = None
     p_audio: float | None = None
     text_done: bool = False
     audio_done: bool = False
@@ -160,13 +168,16 @@ class TurnDetector:
         verdict.audio_done = True
         self._decide(verdict)
 
-    def text_scored(self, span: Span, logprob: float | None) -> None:
+    def text_scored(self, span: Span, logprob: float | None, p_sentence_end: float | None = None) -> None:
+        """The pause's prefill scored the text: the end-of-turn logprob (None: not scored) and P(a sentence ends
+        after the words)."""
         verdict = self._verdict
         if verdict is None or verdict.span != span:
             return
         verdict.p_text = math.exp(logprob) if logprob is not None else None
+        verdict.p_sentence_end = p_sentence_end
         verdict.text_done = True
-        if audio_matters(verdict.p_text, self.policy):
+        if audio_matters(verdict.p_text, self.policy, p_sentence_end):
             self.metrics.turn_audio_scores.inc()
             self._audio_task = asyncio.create_task(self._score_audio(verdict, self._audio),
                                                    name=f"{self.name}-smart-turn")
@@ -188,14 +199,14 @@ class TurnDetector:
         if verdict is not self._verdict or verdict.decided or not (
                 verdict.text_done and verdict.audio_done and verdict.silence_ms > 0):
             return
-        p = combine(verdict.p_text, verdict.p_audio)
+        p = combine(verdict.p_text, verdict.p_audio, verdict.p_sentence_end)
         at = early_end_ms(p, self.policy, verdict.window_ms)
         end = at is not None and verdict.silence_ms >= at
         if not verdict.checked:
             verdict.checked = True
             self.metrics.turn_checks.inc()
         trace(self.name, "end of turn check",
-              (verdict.span, verdict.silence_ms, verdict.p_text, verdict.p_audio, p, end))
+              (verdict.span, verdict.silence_ms, verdict.p_text, verdict.p_sentence_end, verdict.p_audio, p, end))
         if end:
             verdict.decided = True
             self._end_turn(verdict.span)

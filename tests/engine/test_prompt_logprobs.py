@@ -14,6 +14,7 @@ import pytest
 from engine import InvalidRequestError, LLMEngine, SamplingParams
 
 TOL_NATS = 0.1  # bf16 rows computed in batches of different shapes (a whole prompt vs. its prefix)
+TOP_TOL_NATS = 0.35  # the same, for tokens ranked below the first (the tolerance of the HF comparisons)
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +96,36 @@ def test_a_position_past_the_prompt_is_refused(engine):
     with pytest.raises(InvalidRequestError) as e:
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=1, prompt_logprob_positions=[3]))
     assert e.value.param == "prompt_logprob_positions" and not engine.has_unfinished()
+
+
+def test_top_logprobs_at_the_scored_position_are_the_models_distribution(engine):
+    """`prompt_logprobs=n`: the top-n of the distribution at each scored position, from the same pass (what else the
+    model expected there: the turn detection sums its sentence ends), equal to the first-token top-n of the prompt cut
+    before that position, with the scored token's own logprob among them when it ranks."""
+    ids, pos = chat_prompt(engine, "Who wrote Romeo and Juliet")      # no "?": the end token is scored after "Juliet"
+    scored, steps, passes = run(engine, ids, SamplingParams(max_tokens=2, temperature=0, prompt_logprob_positions=[pos],
+                                                             prompt_logprobs=5), "top")
+    plain, plain_steps, plain_passes = run(engine, ids, SamplingParams(max_tokens=2, temperature=0), "top-plain")
+    assert (steps, passes) == (plain_steps, plain_passes)
+    top = scored[0].prompt_top_logprobs[pos]
+    assert len(top) == 5 and [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+    assert all(o.prompt_top_logprobs is None for o in scored[1:])
+    ref, _, _ = run(engine, ids[:pos], SamplingParams(max_tokens=1, temperature=0, logprobs=5), "top-ref")
+    ref_top = dict(ref[0].logprobs[0][1])
+    # (the prompt's own chunk and the cut prompt's last one differ in shape: bf16 rows a few tenths of a nat apart at
+    # the 5th rank, as close as HF's bf16 is to ours)
+    assert {t for t, _ in top[:3]} == set(list(ref_top)[:3])
+    assert all(abs(lp - ref_top[t]) < TOP_TOL_NATS for t, lp in top if t in ref_top)
+    question = engine.tokenizer.convert_tokens_to_ids("?")
+    assert question in dict(top)                                         # the model expected a "?" there
+    own = dict(top).get(ids[pos])
+    assert own is None or abs(own - scored[0].prompt_logprobs[pos]) < 1e-6
+    without, _, _ = run(engine, ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprob_positions=[pos]), "x")
+    assert without[0].prompt_top_logprobs is None
+
+
+@pytest.mark.parametrize("top", [-1, 21, "3", True, 2.0])
+def test_bad_prompt_logprobs_are_refused(top):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(prompt_logprob_positions=[1], prompt_logprobs=top)
+    assert e.value.param == "prompt_logprobs"

@@ -66,6 +66,44 @@ async def test_smart_turn_is_asked_only_where_the_text_leaves_the_end_open():
         stage.close()
 
 
+async def test_the_prefill_says_where_a_sentence_can_end(server):
+    """The pause's prefill returns, beside the end-of-turn logprob, P(a sentence ends after the words) from the top
+    logprobs of the same position (the real engine): "who painted the Mona Lisa" (no "?", as Whisper wrote it for a
+    complete question in `rtserve bench turn`) is vetoed by the joint text score but reads as a sentence that can end;
+    "What is the capital of" reads as neither."""
+    from types import SimpleNamespace
+
+    from engine import SamplingParams
+    from gateway.realtime.response import SENTENCE_END_TOP, end_of_turn_positions, sentence_end_ids, stop_token_ids
+    from gateway.realtime.speculation import Pregen
+    from gateway.realtime.turn_detection import TEXT_VETO
+
+    engine, policy = server.engine, EAGERNESS["medium"]
+    tok = engine.tokenizer
+    stops = stop_token_ids(tok)
+    ends = sentence_end_ids(tok, tuple(stops))
+    assert {tok.convert_tokens_to_ids(t) for t in ("?", ".", "!", "<|im_end|>")} <= ends
+    got = {}
+    for text in ("who painted the Mona Lisa", "What is the capital of"):
+        prompt = tok.apply_chat_template([{"role": "system", "content": SESSION["instructions"]},
+                                          {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        ids = tok.encode(prompt, add_special_tokens=False)
+        positions = end_of_turn_positions(ids, stops, tok.decode)
+        sampling = SamplingParams(max_tokens=1, temperature=0, prompt_logprob_positions=positions,
+                                  prompt_logprobs=SENTENCE_END_TOP)
+        scored = asyncio.get_running_loop().create_future()
+        pre = Pregen(engine, f"test-sentence-end-{len(got)}", SimpleNamespace(ids=ids), sampling,
+                     eot_positions=positions, sentence_end_ids=ends)
+        pre.on_end_of_turn(lambda logprob, p_end: scored.done() or scored.set_result((logprob, p_end)))
+        logprob, p_end = await asyncio.wait_for(scored, 60)
+        pre.cancel()
+        got[text] = (math.exp(logprob), p_end)
+    (lisa_text, lisa_end), (capital_text, capital_end) = got.values()
+    assert lisa_text < TEXT_VETO and capital_text < TEXT_VETO, got
+    assert lisa_end > 4 * policy.floor and capital_end < policy.floor, got
+    await server.wait_idle(pinned_ok=True)
+
+
 async def test_a_complete_question_ends_early(server):
     pcm, on_ms, off_ms = utterance("What is the capital of France?", tail_ms=PAUSE_MS)
     early = counter(server, "early_ends")

@@ -1,5 +1,6 @@
 """The end-of-turn rule itself (gateway/realtime/turn_detection.py), without models: the threshold falls as the
-silence grows, so a sure end is taken at the shortest silence and a doubtful one later; the text signal vetoes."""
+silence grows, so a sure end is taken at the shortest silence and a doubtful one later; the text signal vetoes, unless
+both signals agree that a sentence ends here."""
 from __future__ import annotations
 
 import pytest
@@ -49,6 +50,21 @@ def test_the_text_signal_leads_and_vetoes():
     assert combine(1.0, 0.0) > combine(0.0 + TEXT_VETO, 1.0)
 
 
+def test_both_signals_agreeing_on_a_sentence_end_override_the_veto():
+    """"who wrote Romito and Juliet" (a misheard name, no "?"): the joint text score vetoes, but a "?" was likely
+    after the words and the voice sounds finished; "What is the capital of" in a flat voice: the audio says complete,
+    the words do not end a sentence; Whisper's "The train leaves at home." on a cut utterance: the words could end, the
+    voice does not."""
+    policy = EAGERNESS["medium"]
+    assert combine(1e-5, 0.9, 0.6) == pytest.approx(0.54)
+    assert early_end_ms(combine(1e-5, 0.9, 0.6), policy, WINDOW) == policy.min_silence_ms
+    assert early_end_ms(combine(1e-6, 0.98, 0.002), policy, WINDOW) is None
+    assert early_end_ms(combine(0.02, 0.2, 0.16), policy, WINDOW) is None
+    assert combine(1e-5, None, 0.9) == 0.0  # no audio score: the text alone decides, and vetoes
+    assert combine(0.9, 0.1, 0.95) == pytest.approx(0.8 * 0.9 + 0.2 * 0.1)  # the higher of the two ways
+    assert combine(0.06, 0.9, 0.9) == pytest.approx(0.81)
+
+
 @pytest.mark.parametrize("eagerness", sorted(EAGERNESS))
 def test_every_eagerness_is_a_falling_threshold_inside_the_unit_interval(eagerness):
     policy = EAGERNESS[eagerness]
@@ -61,14 +77,17 @@ def test_the_audio_is_asked_only_where_it_can_change_when_the_turn_ends(eagernes
     window; where it is asked, some audio score moves the end."""
     policy = EAGERNESS[eagerness]
     assert not audio_matters(None, policy) and not audio_matters(TEXT_VETO / 2, policy)
+    assert not audio_matters(TEXT_VETO / 2, policy, policy.floor / 2)  # and no sentence can end here
+    assert audio_matters(TEXT_VETO / 2, policy, 0.5)  # vetoed, but the words could end a sentence: ask
     assert not audio_matters(0.99, policy)  # a sure text score ends the turn at the shortest silence anyway
     asked = 0
-    for p_text in [i / 200 for i in range(201)]:
-        for window in (policy.min_silence_ms + 1, 500, 800, 1200):
-            ends = {early_end_ms(combine(p_text, a / 20), policy, window) for a in range(21)}
-            if not audio_matters(p_text, policy):
-                assert len(ends) == 1, (p_text, window, ends)
-            elif window == 1200:
-                assert len(ends) > 1, (p_text, ends)
-                asked += 1
+    for p_end in (None, 0.0, 0.04, 0.3, 1.0):
+        for p_text in [i / 200 for i in range(201)]:
+            for window in (policy.min_silence_ms + 1, 500, 800, 1200):
+                ends = {early_end_ms(combine(p_text, a / 20, p_end), policy, window) for a in range(21)}
+                if not audio_matters(p_text, policy, p_end):
+                    assert len(ends) == 1, (p_text, p_end, window, ends)
+                elif window == 1200:
+                    assert len(ends) > 1, (p_text, p_end, ends)
+                    asked += 1
     assert asked > 0
