@@ -176,6 +176,7 @@ def score(clips: list[tuple[str, int, str, np.ndarray, float]]) -> list[Clip]:
     from audio.whisper import get_whisper
     from engine import LLMEngine, SamplingParams
     from gateway.realtime.response import SENTENCE_END_TOP, end_of_turn_positions, sentence_end_ids, stop_token_ids
+    from gateway.realtime.turn_detection import sentence_end_probability
 
     whisper = get_whisper()
     engine = LLMEngine(dtype="bfloat16", quantization="gguf", kv_cache_memory="128MiB")
@@ -206,8 +207,7 @@ def score(clips: list[tuple[str, int, str, np.ndarray, float]]) -> list[Clip]:
                     for o in engine.step():
                         if o.prompt_logprobs:
                             pause.eot_logprobs = [float(o.prompt_logprobs[i]) for i in positions]
-                            pause.p_sentence_end = min(1.0, sum(
-                                float(np.exp(lp)) for t, lp in o.prompt_top_logprobs[positions[0]] if t in ends))
+                            pause.p_sentence_end = sentence_end_probability(o.prompt_top_logprobs[positions[0]], ends)
             t2 = time.perf_counter()
             pause.p_audio = smart_turn.score(turn)
             pause.whisper_s, pause.prefill_s, pause.smart_s = t1 - t0, t2 - t1, time.perf_counter() - t2

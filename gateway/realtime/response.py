@@ -162,6 +162,7 @@ class ResponseRunner:
         self.stage = stage
         self.session_id, self.cache_salt, self.max_output_tokens = session_id, cache_salt, max_output_tokens
         self.stop_ids = stop_token_ids(engine.tokenizer)
+        self.sentence_ends: frozenset[int] | None = None   # sentence_end_ids, found off the event loop at first use
         # the model's sampling defaults (--generation-config) the Realtime API has no field for (set by the app)
         self.sampling_defaults: dict = {}
 
@@ -277,18 +278,19 @@ class ResponseRunner:
             return None
         scored = end_of_turn_positions(prompt.ids, self.stop_ids, self.engine.tokenizer.decode) \
             if score_end_of_turn else []
-        ends: frozenset[int] = frozenset()
         if scored:
             sampling.prompt_logprob_positions = scored
             sampling.prompt_logprobs = SENTENCE_END_TOP
-            ends = await asyncio.to_thread(sentence_end_ids, self.engine.tokenizer, tuple(self.stop_ids))
+            if self.sentence_ends is None:
+                self.sentence_ends = await asyncio.to_thread(sentence_end_ids, self.engine.tokenizer,
+                                                             tuple(self.stop_ids))
         speech = None
         # the reply will be spoken: start on it (not when it may call a tool: its text is parsed first, by the
         # response, so no call is ever spoken)
         if self.stage is not None and params.output_modalities == ["audio"] and not params.tools.active:
             speech = SpeechPlan(self.stage, *output_format(config))
         return Pregen(self.engine, f"{self.session_id}-{p.new_id('pre')}", prompt, sampling, speech=speech,
-                      eot_positions=scored, sentence_end_ids=ends,
+                      eot_positions=scored, sentence_end_ids=self.sentence_ends or frozenset(),
                       priority=REALTIME_PRIORITY, cache_salt=self.cache_salt, session_id=self.session_id)
 
     def open_sink(self, resp: ActiveResponse):

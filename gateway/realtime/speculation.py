@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from typing import Awaitable, Callable
 
@@ -22,6 +21,7 @@ from audio.stage import AudioStage
 from audio.tts import SpeechClock, SpeechJob
 from gateway.realtime.audio_out import SpeechPlan, drop_speech, sentence_chunker
 from gateway.realtime.trace import trace
+from gateway.realtime.turn_detection import sentence_end_probability
 
 log = logging.getLogger("rtserve.voice")
 
@@ -164,12 +164,9 @@ class Pregen:
             callback(logprob, p_sentence_end)
 
     def _sentence_end(self, top: dict | None) -> float | None:
-        """P(a sentence ends right after the user's words): the sentence-end tokens' share of the distribution at
-        the first scored position (those outside its top logprobs count as 0)."""
+        """P(a sentence ends right after the user's words), from the top logprobs at the first scored position."""
         first = top.get(self.eot_positions[0]) if top and self.eot_positions else None
-        if first is None:
-            return None
-        return min(1.0, sum(math.exp(lp) for tok, lp in first if tok in self.sentence_end_ids))
+        return None if first is None else sentence_end_probability(first, self.sentence_end_ids)
 
     def _first_piece_done(self) -> None:
         if self._plan is not None:

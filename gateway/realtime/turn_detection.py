@@ -84,6 +84,12 @@ def policy(turn: dict | None) -> Eagerness | None:
     return EAGERNESS[key] if key else None
 
 
+def sentence_end_probability(top_logprobs, sentence_end_ids: frozenset[int]) -> float:
+    """P(a sentence ends after the user's words): the sentence-end tokens' share of the top (token id, logprob) pairs
+    the prefill returned right after them (those outside the top count as 0)."""
+    return min(1.0, sum(math.exp(lp) for tok, lp in top_logprobs if tok in sentence_end_ids))
+
+
 def combine(p_text: float | None, p_audio: float | None, p_sentence_end: float | None = None) -> float:
     """P(the turn is over) from both signals: the text score weighted with the audio's, 0 without the text signal
     (audio alone ends no turn early: synthetic and flat voices fool it) or when the text vetoes; or, if higher, the
