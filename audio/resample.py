@@ -1,15 +1,19 @@
-"""Resampling between the rates we meet (8, 16, 22.05, 24 kHz) with libsoxr.
+"""Resampling between the rates we meet (8, 16, 22.05, 24 kHz).
 
-One-shot ``resample`` for whole clips (TTS output, tests) and ``StreamResampler`` for chunked
-input, which keeps filter state across chunks so chunk borders leave no clicks.
+One-shot ``resample`` for whole clips (TTS output, tests) with libsoxr, and ``StreamResampler`` for chunked audio
+(the input buffer, TTS streams): a polyphase FIR that keeps its state across chunks, so chunk borders leave no clicks,
+and that hands every sample over as soon as its filter has the input it needs.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import soxr
+from numpy.lib.stride_tricks import sliding_window_view
 
 RATES = (8_000, 16_000, 22_050, 24_000)
 _DTYPES = (np.float32, np.int16)
@@ -36,39 +40,116 @@ def resample(x: np.ndarray, src: int, dst: int, quality: str = "HQ") -> np.ndarr
     return soxr.resample(x, src, dst, quality=quality)
 
 
+# StreamResampler's filter: a Kaiser-windowed sinc whose passband ends PASSBAND of the way to the lower rate's Nyquist
+# frequency, with STOPBAND_DB of rejection past it. Its length (and so the lookahead, half of it) follows from the
+# transition band (Kaiser's formula): a few milliseconds of input.
+PASSBAND = 0.9
+STOPBAND_DB = 70.0
+
+
+@functools.cache
+def _polyphase(src: int, dst: int) -> tuple[np.ndarray, int, int, int]:
+    """(taps [up, k + 1], k, up, down) for src -> dst: the lowpass runs at the common rate src * up = dst * down; row p
+    holds the taps of the outputs of phase p, oldest input first, with the gain `up` of zero-stuffing."""
+    g = math.gcd(src, dst)
+    up, down = dst // g, src // g
+    edge = 0.5 * min(src, dst)                         # the lower rate's Nyquist frequency, Hz
+    width = (1.0 - PASSBAND) * edge                    # transition band, Hz
+    beta = 0.1102 * (STOPBAND_DB - 8.7)                # Kaiser's beta for that rejection
+    per_input = (STOPBAND_DB - 7.95) / (14.36 * width / src)   # Kaiser's length, in input samples
+    k = 2 * math.ceil(per_input / 2)
+    n = up * k + 1                                      # odd: the centre tap sits on a sample
+    t = (np.arange(n) - up * k / 2) / up                # tap times, in input samples
+    cutoff = (PASSBAND + 1.0) / 2 * edge / src          # mid-transition, cycles per input sample
+    h = 2 * cutoff * np.sinc(2 * cutoff * t) * np.kaiser(n, beta)
+    h *= up / h.sum()                                   # unit gain at DC after zero-stuffing by `up`
+    taps = np.zeros((up, k + 1))
+    padded = np.concatenate([h, np.zeros(up)])
+    for phase in range(up):
+        taps[phase] = padded[phase::up][: k + 1][::-1]   # oldest input first, as a window of the input reads
+    return taps.astype(np.float32), k, up, down
+
+
 @dataclass(slots=True)
 class StreamResampler:
-    """Chunked resampling with state kept between chunks (``soxr.ResampleStream``).
+    """Chunked resampling with state kept between chunks, so chunk borders leave no clicks: a polyphase FIR
+    (Kaiser-windowed sinc, linear phase), computed with numpy.
 
-    Output lags input by the filter delay (a few ms); ``flush()`` returns the tail and resets.
-    """
+    Why not ``soxr.ResampleStream``: it hands its output over in blocks, holding back tens of milliseconds of a stream
+    at times (docs/benchmarks.md, "A streaming resampler that holds nothing back"), and that wait sits between a user's
+    last word and the VAD that hears the silence after it. This filter holds
+    back only half its length (``lookahead_ms``: a few ms), and its output sample m is the input at time m / dst, as
+    the one-shot ``resample`` aligns it. ``flush()`` returns the tail (the input followed by silence) and resets."""
 
     src: int
     dst: int
     dtype: str = "float32"
-    quality: str = "HQ"
-    _stream: soxr.ResampleStream | None = field(default=None, init=False, repr=False)
+    _hist: np.ndarray = field(init=False, repr=False)  # the input not yet behind every pending output's filter
+    _hist_start: int = field(default=0, init=False, repr=False)  # absolute index of _hist[0]
+    _n_in: int = field(default=0, init=False, repr=False)
+    _n_out: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "int16"):
             raise ValueError(f"dtype must be float32 or int16, got {self.dtype}")
-        self._stream = self._new()
+        _check(np.zeros(0, np.float32), self.src, self.dst)
+        self._reset()
 
-    def _new(self) -> soxr.ResampleStream | None:
-        if self.src == self.dst:
-            return None
-        return soxr.ResampleStream(self.src, self.dst, 1, dtype=self.dtype, quality=self.quality)
+    def _reset(self) -> None:
+        k = 0 if self.src == self.dst else _polyphase(self.src, self.dst)[1]
+        self._hist = np.zeros(k, np.float32)   # silence before the stream begins
+        self._hist_start, self._n_in, self._n_out = -k, 0, 0
+
+    @property
+    def lookahead_ms(self) -> float:
+        """How far the output lags the input: half the filter."""
+        return 0.0 if self.src == self.dst else 1000 * _polyphase(self.src, self.dst)[1] / 2 / self.src
 
     def process(self, chunk: np.ndarray) -> np.ndarray:
-        x = _check(chunk, self.src, self.dst).astype(self.dtype, copy=False)
-        if self._stream is None:
-            return x.copy()
-        return self._stream.resample_chunk(x, last=False)
+        x = _check(chunk, self.src, self.dst)
+        if self.src == self.dst:
+            return x.astype(self.dtype, copy=True)
+        x = x.astype(np.float32, copy=False)  # int16 input stays in its own scale, as its output does
+        self._hist = np.concatenate([self._hist, x])
+        self._n_in += len(x)
+        return self._emit(self._n_in)
 
     def flush(self) -> np.ndarray:
         """Drain the filter (end of a segment); the next ``process`` starts fresh."""
-        if self._stream is None:
+        if self.src == self.dst or self._n_in == 0:
+            self._reset()
             return np.zeros(0, dtype=self.dtype)
-        tail = self._stream.resample_chunk(np.zeros(0, dtype=self.dtype), last=True)
-        self._stream = self._new()
+        _, k, up, down = _polyphase(self.src, self.dst)
+        self._hist = np.concatenate([self._hist, np.zeros(k // 2 + 1, np.float32)])  # silence after the end
+        tail = self._emit(self._n_in + k // 2 + 1, total=-(-self._n_in * up // down))
+        self._reset()
         return tail
+
+    def _emit(self, available: int, total: int | None = None) -> np.ndarray:
+        """Every output sample whose filter reaches no further than input `available` (and, with `total`, no more
+        than that many in all)."""
+        taps, k, up, down = _polyphase(self.src, self.dst)
+        centre = up * k // 2
+        # output m needs inputs up to (m * down + centre) // up
+        last = (available * up - centre - 1) // down  # the last m with (m * down + centre) // up < available
+        end = last + 1 if total is None else min(last + 1, total)
+        m = np.arange(self._n_out, max(end, self._n_out))
+        y = np.empty(len(m), np.float32)
+        if len(m):
+            pos = m * down + centre
+            oldest, phase = pos // up - k - self._hist_start, pos % up
+            windows = sliding_window_view(self._hist, k + 1)   # windows[i] = inputs i .. i + k (a view)
+            if up <= 8:   # few phases (24 or 48 -> 16 kHz, 8 -> 16): one matrix-vector product per phase
+                for p in range(up):
+                    rows = phase == p
+                    if rows.any():
+                        y[rows] = windows[oldest[rows]] @ taps[p]
+            else:         # 22.05 kHz: a phase per output, nearly
+                y[:] = np.einsum("ij,ij->i", windows[oldest], taps[phase])
+            self._n_out = int(m[-1]) + 1
+        keep_from = max(self._hist_start, (self._n_out * down + centre) // up - k)   # the next output's oldest input
+        self._hist = self._hist[keep_from - self._hist_start:]
+        self._hist_start = keep_from
+        if self.dtype == "int16":
+            return np.clip(np.round(y), -32768, 32767).astype(np.int16)
+        return y.astype(np.float32)

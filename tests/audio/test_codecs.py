@@ -129,6 +129,32 @@ def test_stream_resampler_matches_one_shot():
     assert abs(_peak_hz(y, 16000) - 1000) < 2
 
 
+@pytest.mark.parametrize("src,dst", [(24000, 16000), (8000, 16000), (48000, 16000), (22050, 24000)])
+def test_stream_resampler_holds_back_only_its_lookahead(src, dst):
+    """The VAD hears the silence after the last word only once it is resampled: after every 40 ms append, all but the
+    filter's lookahead (a few ms) has come out (soxr's stream held back whole blocks)."""
+    s = StreamResampler(src, dst)
+    assert 0 < s.lookahead_ms <= 6
+    x, step, out = _sine(300, src, 1.0), src // 25, 0
+    for i in range(0, len(x), step):
+        out += len(s.process(x[i : i + step]))
+        behind_ms = 1000 * min(i + step, len(x)) / src - 1000 * out / dst
+        assert behind_ms <= s.lookahead_ms + 1000 / dst
+    tail = s.flush()
+    assert out + len(tail) == len(x) * dst // src
+
+
+def test_stream_resampler_int16_and_restart():
+    """int16 in, int16 out (the TTS path), with the one-shot's values; after flush() the next stream starts fresh."""
+    x = (_sine(440, 22050, 0.5) * 20000).astype(np.int16)
+    s = StreamResampler(22050, 24000, dtype="int16")
+    for _ in range(2):
+        y = np.concatenate([s.process(x[:3000]), s.process(x[3000:]), s.flush()])
+        ref = resample(x, 22050, 24000)
+        assert y.dtype == np.int16 and len(y) == len(ref)
+        assert np.abs(y[100:-100].astype(np.int32) - ref[100:-100]).max() <= 2
+
+
 # ---------------------------------------------------------------- input audio buffer
 
 def _b64_pcm(ms, rate=24000, freq=300):
