@@ -46,7 +46,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("RTSERVE_WHISPER_DTYPE", "bfloat16",
              "`bfloat16` (the fast path: linear layers on 8-bit blocks for the packed kernel), `float32` (exact) or "
              "`float16`: Whisper's compute dtype."),
-    Variable("RTSERVE_WHISPER_THREADS", "1", "Intra-op threads of the Whisper worker."),
+    Variable("RTSERVE_WHISPER_THREADS", "1",
+             "Intra-op threads of the Whisper worker. More than one, beside the in-thread engine's own team, leaves "
+             "more OpenMP threads than CPUs, and libgomp then throttles every team's spin-waits: the engine's decode "
+             "steps slow down."),
     Variable("RTSERVE_WHISPER_GRAPH", "1",
              "`0`: Whisper's encoder and decoder step run as Python modules, one op at a time, instead of as traced "
              "TorchScript graphs that hold no GIL while they run. For A/B runs."),
