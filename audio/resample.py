@@ -77,16 +77,15 @@ class StreamResampler:
 
     Why not ``soxr.ResampleStream``: it hands its output over in blocks, holding back tens of milliseconds of a stream
     at times (docs/benchmarks.md, "A streaming resampler that holds nothing back"), and that wait sits between a user's
-    last word and the VAD that hears the silence after it. This filter holds
-    back only half its length (``lookahead_ms``: a few ms), and its output sample m is the input at time m / dst, as
-    the one-shot ``resample`` aligns it. ``flush()`` returns the tail (the input followed by silence) and resets."""
+    last word and the VAD that hears the silence after it. This filter holds back only half its length
+    (``lookahead_ms``: a few ms), and its output sample m is the input at time m / dst, as the one-shot ``resample``
+    aligns it. ``flush()`` returns the tail (the input followed by silence) and resets."""
 
     src: int
     dst: int
     dtype: str = "float32"
     _hist: np.ndarray = field(init=False, repr=False)  # the input not yet behind every pending output's filter
     _hist_start: int = field(default=0, init=False, repr=False)  # absolute index of _hist[0]
-    _n_in: int = field(default=0, init=False, repr=False)
     _n_out: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,7 +97,12 @@ class StreamResampler:
     def _reset(self) -> None:
         k = 0 if self.src == self.dst else _polyphase(self.src, self.dst)[1]
         self._hist = np.zeros(k, np.float32)   # silence before the stream begins
-        self._hist_start, self._n_in, self._n_out = -k, 0, 0
+        self._hist_start, self._n_out = -k, 0
+
+    @property
+    def _n_in(self) -> int:
+        """Input samples taken so far: the history ends at the newest."""
+        return self._hist_start + len(self._hist)
 
     @property
     def lookahead_ms(self) -> float:
@@ -111,7 +115,6 @@ class StreamResampler:
             return x.astype(self.dtype, copy=True)
         x = x.astype(np.float32, copy=False)  # int16 input stays in its own scale, as its output does
         self._hist = np.concatenate([self._hist, x])
-        self._n_in += len(x)
         return self._emit(self._n_in)
 
     def flush(self) -> np.ndarray:
@@ -120,8 +123,9 @@ class StreamResampler:
             self._reset()
             return np.zeros(0, dtype=self.dtype)
         _, k, up, down = _polyphase(self.src, self.dst)
+        n_in = self._n_in
         self._hist = np.concatenate([self._hist, np.zeros(k // 2 + 1, np.float32)])  # silence after the end
-        tail = self._emit(self._n_in + k // 2 + 1, total=-(-self._n_in * up // down))
+        tail = self._emit(n_in + k // 2 + 1, total=-(-n_in * up // down))
         self._reset()
         return tail
 
@@ -152,4 +156,4 @@ class StreamResampler:
         self._hist_start = keep_from
         if self.dtype == "int16":
             return np.clip(np.round(y), -32768, 32767).astype(np.int16)
-        return y.astype(np.float32)
+        return y
