@@ -3,7 +3,8 @@
 Workload (same for every system in the run): `--num-requests` prompts of random token ids, prompt lengths uniform in
 [16, 256], output lengths uniform in [16, 128], EOS ignored (every request generates exactly its output length). Reports
 output tokens/s, the ratios against both HF baselines, and the KV waste at peak
-((allocated slots - tokens stored) / allocated slots).
+((allocated slots - tokens stored) / allocated slots). Decoding is greedy; `--sampling "temperature=0.2,top_p=0.9"`
+draws instead (each engine request seeded, HF with the same settings), which adds the sampler's own cost per step.
 
 `--structured json` adds, in every round and right after each engine run, the same workload with a JSON-schema
 constraint on every request (grammar-constrained decoding, engine/structured_output.py), and reports its tok/s, the
@@ -85,7 +86,32 @@ def absorbing_schema(tokenizer, max_output: int) -> dict:
             "required": ["text"], "additionalProperties": False}
 
 
-def bench_engine(prompts, outputs, dtype: str, engine_args: dict, schema: dict | None = None) -> dict:
+SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float}
+
+
+def parse_sampling(spec: str) -> dict:
+    """`--sampling "temperature=0.2,top_p=0.9"` -> {"temperature": 0.2, "top_p": 0.9}; ValueError names what is wrong."""
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq or key.strip() not in SAMPLING_KEYS:
+            raise ValueError(f"{part!r}: expected KEY=VALUE with KEY one of {', '.join(SAMPLING_KEYS)}")
+        out[key.strip()] = SAMPLING_KEYS[key.strip()](value)
+    if out.get("temperature", 1.0) <= 0:
+        raise ValueError("temperature must be > 0 (without --sampling the workload is greedy)")
+    return out
+
+
+def hf_sampling(sampling: dict | None) -> dict:
+    """HF generate()'s arguments for the same draws: greedy without --sampling; with it, top_k 0 unless given (HF
+    would otherwise apply its default top-k of 50, which the engine does not)."""
+    if not sampling:
+        return {"do_sample": False}
+    return {"do_sample": True, "top_k": 0, **sampling}
+
+
+def bench_engine(prompts, outputs, dtype: str, engine_args: dict, schema: dict | None = None,
+                 sampling: dict | None = None) -> dict:
     from engine import LLM, SamplingParams, StructuredOutputsParams
     llm = LLM(dtype=dtype, **engine_args)
     so = StructuredOutputsParams(json=schema) if schema is not None else None
@@ -93,7 +119,8 @@ def bench_engine(prompts, outputs, dtype: str, engine_args: dict, schema: dict |
                                                    structured_outputs=so))   # warm-up (and the grammar's compile)
     llm.engine.peak_kv_waste = (0, 0)
     before = llm.engine.stats()
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True, structured_outputs=so) for o in outputs]
+    draw = [dict(sampling, seed=i) if sampling else {"temperature": 0} for i in range(len(outputs))]
+    params = [SamplingParams(**d, max_tokens=o, ignore_eos=True, structured_outputs=so) for d, o in zip(draw, outputs)]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -236,21 +263,22 @@ def load_hf(dtype: str, device: str = "cpu"):
 
 
 @torch.inference_mode()
-def bench_hf_sequential(model, prompts, outputs) -> dict:
+def bench_hf_sequential(model, prompts, outputs, sampling: dict | None = None) -> dict:
     dev = model.device
     model.generate(torch.tensor([prompts[0][:32]], device=dev), max_new_tokens=4, min_new_tokens=4, do_sample=False,
                    pad_token_id=0)
     t0 = time.perf_counter()
     n = 0
     for p, o in zip(prompts, outputs):
-        out = model.generate(torch.tensor([p], device=dev), max_new_tokens=o, min_new_tokens=o, do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor([p], device=dev), max_new_tokens=o, min_new_tokens=o, pad_token_id=0,
+                             **hf_sampling(sampling))
         n += out.shape[1] - len(p)
     elapsed = time.perf_counter() - t0
     return {"elapsed": elapsed, "tokens": n, "tok_s": n / elapsed}
 
 
 @torch.inference_mode()
-def bench_hf_static(model, prompts, outputs, batch_size: int = 8) -> dict:
+def bench_hf_static(model, prompts, outputs, batch_size: int = 8, sampling: dict | None = None) -> dict:
     """Static batching: left-pad each batch of 8, run until its longest output is done; count only useful tokens."""
     model.generate(torch.tensor([prompts[0][:32]] * 2, device=model.device), max_new_tokens=4, min_new_tokens=4,
                    do_sample=False, pad_token_id=0)   # warm-up (on a GPU: context, kernels, allocator)
@@ -261,8 +289,8 @@ def bench_hf_static(model, prompts, outputs, batch_size: int = 8) -> dict:
         width = max(map(len, ps))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=model.device)
-        model.generate(ids, attention_mask=mask, max_new_tokens=max(os_), min_new_tokens=max(os_), do_sample=False,
-                       pad_token_id=0)
+        model.generate(ids, attention_mask=mask, max_new_tokens=max(os_), min_new_tokens=max(os_), pad_token_id=0,
+                       **hf_sampling(sampling))
         n += sum(os_)
     elapsed = time.perf_counter() - t0
     return {"elapsed": elapsed, "tokens": n, "tok_s": n / elapsed}
@@ -298,7 +326,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-process", action="store_true",
                     help="instead: the in-thread AsyncEngine against the engine core in its own process "
                          "(engine/core_client.py), every request at once through asyncio, interleaved rounds")
+    ap.add_argument("--sampling", default=None, metavar="KEY=VALUE,...",
+                    help='draw instead of greedy decoding, e.g. "temperature=0.2,top_p=0.9" (the embedded model\'s '
+                         'defaults, what Realtime replies use); keys: temperature, top_p, top_k, min_p. Each engine '
+                         'request has its own seed; the HF baselines draw with the same settings. For the HF '
+                         'comparison and --structured; not with --speculative-config or --engine-process')
     args = ap.parse_args(argv)
+    if args.sampling is not None:
+        try:
+            args.sampling = parse_sampling(args.sampling)
+        except ValueError as e:
+            ap.error(f"argument --sampling: {e}")
+        if args.speculative_config is not None or args.engine_process:
+            ap.error("argument --sampling: not with --speculative-config or --engine-process (their workloads set "
+                     "their own sampling)")
     if args.speculative_config is not None:   # a bad config is one line and exit code 2, before anything loads
         from engine.config import SpeculativeConfig
         from engine.errors import InvalidRequestError
@@ -321,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                        device=args.device, enforce_eager=args.enforce_eager)
     if args.speculative_config is not None:
         return bench_spec(args, engine_args)
-    workload = f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens"
+    workload = f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens" + (
+        ", sampled (" + ", ".join(f"{k} {v}" for k, v in args.sampling.items()) + ")" if args.sampling else ", greedy")
     print(f"workload: {workload}, torch threads {torch.get_num_threads()}, {args.repeats} rounds", flush=True)
     if args.engine_process:
         compare_engine_process(prompts, outputs, ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype],
@@ -338,22 +380,22 @@ def main(argv: list[str] | None = None) -> int:
         stats = []
         for r in range(max(1, args.repeats)):
             for label, eargs in variants:
-                eng = bench_engine(prompts, outputs, dtype, eargs)
+                eng = bench_engine(prompts, outputs, dtype, eargs, sampling=args.sampling)
                 runs[label].append(eng)
                 print_engine(f"{label}, round {r + 1}", eng)
                 if schema is not None:
-                    con = bench_engine(prompts, outputs, dtype, eargs, schema)
+                    con = bench_engine(prompts, outputs, dtype, eargs, schema, sampling=args.sampling)
                     structured_runs.setdefault(label, []).append((eng, con))
                     print_engine(f"{label} + json schema, round {r + 1}", con)
                     report.stage(f"    mask {con['mask_ms_per_step']:.3f} ms/step of {con['step_ms']:.1f} ms/step, "
                                  f"{con['tok_s'] / eng['tok_s']:.3f}x unconstrained")
             if model is not None:
-                stats.append(bench_hf_static(model, prompts, outputs))
+                stats.append(bench_hf_static(model, prompts, outputs, sampling=args.sampling))
                 report.stage(f"[{dtype}, round {r + 1}] HF static batch 8: {stats[-1]['tok_s']:.1f} tok/s "
                              f"({stats[-1]['elapsed']:.1f} s)")
         seq = None
         if model is not None:
-            seq = bench_hf_sequential(model, prompts, outputs)
+            seq = bench_hf_sequential(model, prompts, outputs, sampling=args.sampling)
             report.stage(f"[{dtype}] HF sequential: {seq['tok_s']:.1f} tok/s ({seq['elapsed']:.1f} s)")
             del model
         for label, _ in variants:

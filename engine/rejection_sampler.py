@@ -81,6 +81,6 @@ class RejectionSampler:
         for j, state in seeded.items():
             gen = requests[j].generator
             gen.set_state(state)
-            for _ in tokens[j]:    # one number per emitted token, as plain decoding draws (sampler.sample_rows)
+            for _ in tokens[j]:    # one number per emitted token, as plain decoding draws (sampler.uniforms)
                 torch.rand(1, generator=gen)
         return tokens, logprobs

@@ -5,7 +5,8 @@ every RTSERVE_* setting (`kernels.settings`). The C++ CPU ops behind them live i
 """
 from kernels.attention import BACKENDS, empty_kv_cache, paged_attention, resolve_backend, set_backend, store_kvcache
 from kernels.cpu import Isa, cpu_isa, default_thread_count, packed_isa, set_thread_count, without_amx
-from kernels.layer_ops import add_rms_norm, apply_rope, argmax, rms_norm, rope_and_store, silu_and_mul
+from kernels.layer_ops import (add_rms_norm, apply_rope, argmax, rms_norm, rope_and_store, silu_and_mul,
+                               top_candidates)
 from kernels.linear import (AMX_VNNI_MAX_ROWS, FP16_MAX_WEIGHT, GGUF_ANY_ROWS, PACKED_MAX_ROWS, linear, linear_gguf,
                             int8_small_batches, pack_gguf, pack_gguf_q4_1, pack_gguf_q8_0, pack_gguf_small_batches,
                             pack_gguf_vnni_q4_1, pack_gguf_vnni_q8_0, pack_linear_weight, pack_wide_weight,
@@ -14,7 +15,7 @@ from kernels.linear import (AMX_VNNI_MAX_ROWS, FP16_MAX_WEIGHT, GGUF_ANY_ROWS, P
 __all__ = [
     "BACKENDS", "empty_kv_cache", "paged_attention", "resolve_backend", "set_backend", "store_kvcache",
     "Isa", "cpu_isa", "default_thread_count", "packed_isa", "set_thread_count", "without_amx",
-    "add_rms_norm", "apply_rope", "argmax", "rms_norm", "rope_and_store", "silu_and_mul",
+    "add_rms_norm", "apply_rope", "argmax", "rms_norm", "rope_and_store", "silu_and_mul", "top_candidates",
     "AMX_VNNI_MAX_ROWS", "FP16_MAX_WEIGHT", "GGUF_ANY_ROWS", "PACKED_MAX_ROWS", "int8_small_batches", "linear",
     "linear_gguf", "pack_gguf",
     "pack_gguf_q4_1", "pack_gguf_q8_0", "pack_gguf_small_batches", "pack_gguf_vnni_q4_1", "pack_gguf_vnni_q8_0",

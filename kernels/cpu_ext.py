@@ -11,6 +11,8 @@ or ninja) or `RTSERVE_CPU_EXT=0`; the pure-torch code then serves, only slower.
 - `decode_layers`, `decode_stack_slots`: every decoder layer of a decode-only step in one call, the kernels above in
   the Python layers' order, and the names of its weight slots (decode_stack.cpp; `kernels.decode_stack`).
 - `argmax_rows`: greedy sampling's argmax over fp32 logits rows, torch.argmax's tie and NaN rules (layer_ops.cpp).
+- `top_candidates`: each fp32 logits row's k largest values (largest first) with their indices, and its log-sum-exp,
+  for random sampling's top-k / top-p / min-p (sampling.cpp).
 """
 from __future__ import annotations
 
@@ -104,3 +106,7 @@ def decode_layers():
 
 def argmax_rows():
     return _op("argmax_rows")
+
+
+def top_candidates():
+    return _op("top_candidates")

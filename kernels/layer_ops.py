@@ -67,3 +67,15 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     op = cpu_ext.argmax_rows() if logits.device.type == "cpu" and logits.dim() == 2 and \
         logits.dtype == torch.float32 and logits.shape[1] > 0 else None
     return op(logits) if op is not None else logits.argmax(-1)
+
+
+def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row of fp32 [rows, vocab] logits: its k largest values, largest first (ties: the lower index first), their
+    indices, and the row's log-sum-exp. C++ on the CPU when built (one pass each for the max, the exponentials and the
+    candidates, instead of torch's topk and logsumexp over the row), else torch."""
+    op = cpu_ext.top_candidates() if logits.device.type == "cpu" and logits.dim() == 2 and \
+        logits.dtype == torch.float32 and 1 <= k <= logits.shape[1] else None
+    if op is not None:
+        return op(logits, k)
+    vals, idx = logits.topk(k, dim=-1)
+    return vals, idx, logits.logsumexp(-1)

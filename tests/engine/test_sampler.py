@@ -105,6 +105,30 @@ def test_masks_from_the_largest_logits_equal_a_full_sort():
         assert torch.equal(torch.isfinite(alone[0]), torch.isfinite(out[i]))
 
 
+def test_sampling_on_candidates_draws_what_the_masked_row_draws():
+    """A row settled on its candidates draws among them alone (`sample_top_k_top_p_min_p`); it must pick, for every
+    uniform number, the token that inverting the whole masked row's CDF picks (and rows that are not settled go that
+    way), so the shortcut changes no seeded request's output."""
+    g = torch.Generator().manual_seed(1)
+    vocab = 49152
+    scale = torch.tensor([8.0, 8.0, 0.5, 0.5, 3.0, 8.0, 1.0, 4.0]).unsqueeze(1)
+    logits = torch.randn(8, vocab, generator=g) * scale
+    top_k = torch.tensor([0, 50, 0, 0, 1000, 0, 128, 0])
+    top_p = torch.tensor([0.9, 0.95, 0.9, 1.0, 0.8, 0.999, 0.5, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.01, 0.0, 0.2])
+    masked = top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    drawn = set()
+    for _ in range(200):
+        u = torch.rand(8, generator=g)
+        got = sampler.sample_top_k_top_p_min_p(logits, top_k, top_p, min_p, u)
+        assert torch.equal(got, sampler.invert_cdf(masked, u))
+        drawn.update(got.tolist())
+    assert len(drawn) > 16   # rows with more than one kept token drew more than one
+    for u in (torch.zeros(8), torch.full((8,), 1 - 2 ** -24)):   # the CDF's ends: the first and last kept token
+        assert torch.equal(sampler.sample_top_k_top_p_min_p(logits, top_k, top_p, min_p, u),
+                           sampler.invert_cdf(masked, u))
+
+
 def test_sampled_tokens_respect_top_k():
     logits = torch.randn(1, 100)
     allowed = set(logits.topk(3).indices[0].tolist())

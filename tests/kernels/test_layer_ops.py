@@ -97,3 +97,28 @@ def test_argmax_follows_torch_rules():
     x[6] = torch.randn(1000, generator=g).round()    # many ties
     assert torch.equal(kernels.argmax(x), x.argmax(-1))
     assert kernels.argmax(x).tolist()[:6] == [999, 5, 0, 10, 0, 40]
+
+
+def test_top_candidates_equal_torch_topk_and_logsumexp():
+    """Random sampling's candidates (C++): torch.topk's values, largest first, with their indices, and torch.logsumexp, on
+    rows of the vocabulary's width and on widths that are not multiples of the 16-lane vectors, k from 1 to the
+    whole row, rows masked to -inf (a grammar's) and a row of -inf."""
+    assert cpu_ext.top_candidates() is not None
+    g = torch.Generator().manual_seed(0)
+    for shape, k in [((8, 49152), 128), ((1, 49152), 128), ((3, 17), 5), ((2, 100003), 128), ((4, 300), 300),
+                     ((5, 1), 1), ((2, 1000), 1)]:
+        x = torch.randn(*shape, generator=g) * 4
+        vals, idx, lse = kernels.top_candidates(x, k)
+        assert torch.equal(vals, x.topk(k, dim=-1).values), (shape, k)
+        # the indices hold those values, each once (equal values may come in either order: topk does not say)
+        assert torch.equal(x.gather(1, idx), vals) and all(len(set(row)) == k for row in idx.tolist()), (shape, k)
+        assert torch.allclose(lse, x.logsumexp(-1), rtol=1e-6, atol=1e-5), (shape, k)
+    x = torch.randn(3, 4096, generator=g)
+    x[0, 100:] = float("-inf")
+    x[1, :] = float("-inf")
+    x[2, ::2] = float("-inf")
+    vals, idx, lse = kernels.top_candidates(x, 128)
+    assert torch.equal(vals[0, :100], x[0].topk(100).values) and set(idx[0, :100].tolist()) == set(range(100))
+    assert torch.isneginf(vals[0, 100:]).all() and torch.isneginf(lse[1])
+    assert torch.equal(vals[2], x[2].topk(128).values) and (idx[2] % 2 == 1).all()
+    assert torch.allclose(lse[[0, 2]], x[[0, 2]].logsumexp(-1), rtol=1e-6)
