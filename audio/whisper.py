@@ -582,7 +582,7 @@ class _EncoderPass(torch.nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         enc = self.encoder
         x = torch.nn.functional.gelu(enc.conv1(features))
-        x = torch.nn.functional.gelu(enc.conv2(x)).permute(0, 2, 1)
+        x = torch.nn.functional.gelu(enc.conv2(x)).permute(0, 2, 1).contiguous()
         x = x + enc.embed_positions.weight[: x.shape[1]]
         for layer in enc.layers:
             x = layer(x, None)
