@@ -82,18 +82,23 @@ def test_min_p_mask():
     assert torch.isfinite(out).tolist() == [[True, True, True, False]]
 
 
+def _mixed_rows(g: torch.Generator):
+    """A batch of 8 rows over SmolLM2's vocabulary, some settled on their candidates (a peaked row, a narrow top-k) and
+    some not (a flat row with top-p near 1, a top-k wider than the candidates, min-p alone): (logits, top_k, top_p,
+    min_p)."""
+    scale = torch.tensor([8.0, 8.0, 0.5, 0.5, 3.0, 8.0, 1.0, 4.0]).unsqueeze(1)
+    logits = torch.randn(8, 49152, generator=g) * scale
+    return (logits, torch.tensor([0, 50, 0, 0, 1000, 0, 128, 0]),
+            torch.tensor([0.9, 0.95, 0.9, 1.0, 0.8, 0.999, 0.5, 1.0]),
+            torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.01, 0.0, 0.2]))
+
+
 def test_masks_from_the_largest_logits_equal_a_full_sort():
     """Rows settled on their TOP_CANDIDATES largest logits (a peaked row, a narrow top-k) and rows that need the whole
     sort (a flat row with top-p near 1, a top-k wider than the candidates, min-p alone) in one batch: each row's mask
     is the full sort's, and a row's mask does not depend on the rows beside it."""
-    g = torch.Generator().manual_seed(0)
-    vocab = 49152
-    scale = torch.tensor([8.0, 8.0, 0.5, 0.5, 3.0, 8.0, 1.0, 4.0]).unsqueeze(1)
-    logits = torch.randn(8, vocab, generator=g) * scale
-    top_k = torch.tensor([0, 50, 0, 0, 1000, 0, 128, 0])
-    top_p = torch.tensor([0.9, 0.95, 0.9, 1.0, 0.8, 0.999, 0.5, 1.0])
-    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.01, 0.0, 0.2])
-    k = torch.where(top_k > 0, top_k, vocab)
+    logits, top_k, top_p, min_p = _mixed_rows(torch.Generator().manual_seed(0))
+    k = torch.where(top_k > 0, top_k, logits.shape[1])
     out = top_k_top_p_min_p(logits, top_k, top_p, min_p)
     want = sampler._masks_by_sort(logits, k, top_p, min_p)
     assert torch.equal(torch.isfinite(out), torch.isfinite(want))
@@ -110,12 +115,7 @@ def test_sampling_on_candidates_draws_what_the_masked_row_draws():
     uniform number, the token that inverting the whole masked row's CDF picks (and rows that are not settled go that
     way), so the shortcut changes no seeded request's output."""
     g = torch.Generator().manual_seed(1)
-    vocab = 49152
-    scale = torch.tensor([8.0, 8.0, 0.5, 0.5, 3.0, 8.0, 1.0, 4.0]).unsqueeze(1)
-    logits = torch.randn(8, vocab, generator=g) * scale
-    top_k = torch.tensor([0, 50, 0, 0, 1000, 0, 128, 0])
-    top_p = torch.tensor([0.9, 0.95, 0.9, 1.0, 0.8, 0.999, 0.5, 1.0])
-    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.01, 0.0, 0.2])
+    logits, top_k, top_p, min_p = _mixed_rows(g)
     masked = top_k_top_p_min_p(logits, top_k, top_p, min_p)
     drawn = set()
     for _ in range(200):
