@@ -53,6 +53,11 @@ class AudioStage:
         decoding towards its first piece. Audio whose listener still has plenty to play waits meanwhile."""
         if self.transcriber is not None and self.transcriber.inflight > 0:
             return True
+        return self.reply_awaited()
+
+    def reply_awaited(self) -> bool:
+        """(any thread; cheap, never blocks) A reply is decoding towards its first spoken piece, which a user (or a
+        pause that may be a turn's end) waits on: the LLM engine may take every CPU the stage is not using."""
         now = time.monotonic()
         return any(now - t < FIRST_PIECE_URGENT_S for t in list(self.awaiting_first_piece.values()))
 

@@ -43,6 +43,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self.num_threads = engine_args.get("num_threads") or kernels.default_thread_count()  # the engine thread's
         self._others_busy: Callable[[], bool] | None = None   # share_cpus_with
+        self._awaited: Callable[[], bool] | None = None       # share_cpus_with
         self._shared_until = 0.0       # (engine thread) steps run on one thread until then
         self._step_threads = self.num_threads
         # The engine thread builds the engine it steps (see _load); this thread waits for it, and a load error
@@ -105,16 +106,20 @@ class AsyncEngine:
         """Why the engine stopped on a fault (None while healthy or after a clean shutdown)."""
         return None if self._error is None else f"engine step failed: {self._error!r}"
 
-    def share_cpus_with(self, busy: Callable[[], bool] | None) -> None:
+    def share_cpus_with(self, busy: Callable[[], bool] | None, awaited: Callable[[], bool] | None = None) -> None:
         """While `busy()` says that other work of this process needs the CPUs (the gateway passes its audio stage's:
         a turn being transcribed, speech being synthesized, a turn being scored), the engine steps on one thread, and
-        on all `num_threads` again once it has said False for SHARE_HOLD_S. None: always all of them.
+        on all `num_threads` again once it has said False for SHARE_HOLD_S, or at once while `awaited()` says that a
+        user waits on what the engine is computing now (the gateway's: a reply decoding towards its first spoken
+        piece). None: always all of them.
 
         Why: at the batch sizes a voice turn brings, a decode step's second thread buys little speed (the weights'
         memory traffic and the Python between ops do not split) but costs a whole CPU, and on a small machine that
-        CPU is the one Whisper and piper wait for. `busy` is called on the engine thread before every step: it must
-        be cheap, and it must not block."""
-        self._others_busy = busy
+        CPU is the one Whisper and piper wait for. The hold keeps the engine off the second CPU between a reply's
+        synthesis windows; but when the engine itself is what a user waits for and nothing else computes, the second
+        CPU has nothing better to do. Both hooks are called on the engine thread before every step: they must be
+        cheap, and must not block."""
+        self._others_busy, self._awaited = busy, awaited
 
     def stats(self) -> dict:
         """Engine counters as of the last step or command the engine thread handled."""
@@ -162,9 +167,11 @@ class AsyncEngine:
         try:
             if busy is not None and busy():
                 self._shared_until = now + SHARE_HOLD_S
+            elif now < self._shared_until and self._awaited is not None and self._awaited():
+                self._shared_until = now
         except Exception:                             # noqa: BLE001 - a faulty hook costs the sharing, not the engine
             log.exception("the CPU-sharing hook failed; the engine keeps all its threads from now on")
-            self._others_busy, self._shared_until = None, 0.0
+            self._others_busy, self._awaited, self._shared_until = None, None, 0.0
         want = 1 if now < self._shared_until else self.num_threads
         if want != self._step_threads:
             kernels.set_thread_count(want)

@@ -211,7 +211,7 @@ def share_cpus(engine, audio: AudioStage | None) -> None:
     from engine import AsyncEngine
 
     if audio is not None and isinstance(engine, AsyncEngine) and variables.enabled("RTSERVE_ENGINE_SHARES_CPUS"):
-        engine.share_cpus_with(audio.busy)
+        engine.share_cpus_with(audio.busy, audio.reply_awaited)
 
 
 async def _alive(work, stage: str, start: float):

@@ -49,6 +49,10 @@ async def test_idle_audio_workers_take_no_cpu():
         used = _cpu_seconds(workers) - start
         assert used <= MAX_IDLE_SHARE * IDLE_S, f"idle audio workers took {used:.3f} CPU-s in {IDLE_S} s"
         assert not stage.busy()   # so the LLM engine has all its threads back (AsyncEngine.share_cpus_with)
+        assert not stage.reply_awaited()
+        stage.awaiting_first_piece["resp_1"] = time.monotonic()   # a reply decoding towards its first piece
+        assert stage.reply_awaited() and stage.first_audio_pending() and not stage.busy()
+        stage.awaiting_first_piece.pop("resp_1")
     finally:
         stage.close()
 

@@ -62,7 +62,9 @@ async def run(eng, rid):
 
 async def main():
     eng = await asyncio.to_thread(AsyncEngine, kv_cache_memory="64MiB", num_threads=2)
-    busy = {"now": True, "calls": 0}
+    busy = {"now": True, "calls": 0, "awaited": False}
+    def awaited():
+        return busy["awaited"]
     def others_busy():
         busy["calls"] += 1
         if busy["now"] == "raise":
@@ -70,9 +72,15 @@ async def main():
         return busy["now"]
     try:
         print("alone", *await run(eng, "a"))
-        eng.share_cpus_with(others_busy)
+        eng.share_cpus_with(others_busy, awaited)
         print("busy", *await run(eng, "b"))
         busy["now"] = False
+        print("held", *await run(eng, "h"))        # right after: inside the hold
+        busy["now"] = True
+        await run(eng, "b2")
+        busy["now"], busy["awaited"] = False, True
+        print("awaited", *await run(eng, "w"))     # right after, but a user waits on the engine: no hold
+        busy["awaited"] = False
         await asyncio.sleep(SHARE_HOLD_S + 0.2)
         print("idle", *await run(eng, "c"))
         busy["now"] = "raise"
@@ -90,6 +98,8 @@ def test_the_engine_steps_on_one_thread_while_the_work_it_shares_the_cpus_with_i
     lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
     assert lines["alone"] == "16 [2]", out.stdout
     assert lines["busy"] == "16 [1]", out.stdout      # every step while busy() said True
+    assert lines["held"].startswith("16 [1"), out.stdout   # one thread for SHARE_HOLD_S after it said False...
+    assert lines["awaited"] == "16 [2]", out.stdout   # ...unless a user waits on the engine and nothing else computes
     assert lines["idle"] == "16 [2]", out.stdout      # all threads back once it said False for the hold time
     assert lines["faulty"] == "16 [2]", out.stdout    # a hook that raises costs the sharing, not the requests
     assert "the CPU-sharing hook failed" in out.stderr
