@@ -159,7 +159,8 @@ class AsyncEngine:
                 self.engine.release_session(cmd[1])
 
     def _fit_threads(self) -> None:
-        """(engine thread) One thread while the work this engine shares the CPUs with is busy (share_cpus_with)."""
+        """(engine thread) One thread while the work this engine shares the CPUs with is busy and for SHARE_HOLD_S
+        after, unless a user waits on the engine meanwhile (share_cpus_with)."""
         busy = self._others_busy
         if busy is None and self._step_threads == self.num_threads:
             return
