@@ -5,7 +5,10 @@
 Starts `rtserve serve` as a subprocess (or measures `--url` as is). Each session streams real speech (piper, a
 different question per session) in real time in `--chunk-ms` appends with server VAD (silence window 500 ms;
 `--turn-detection semantic_vad`: the semantic end of turn, eagerness auto; `server_vad,semantic_vad`: both,
-interleaved run by run), and keeps streaming silence like an open microphone until the reply is done; `--turns` turns per session. Each session count runs
+interleaved run by run), and keeps streaming silence like an open microphone until the reply is done and its audio has
+played out (from its first delta, in real time: a user hears the answer before asking the next question; asking at
+response.done would speak over the reply, within the server's repair grace of an early end, and join two questions
+into one turn); `--turns` turns per session. Each session count runs
 once per `--spread-ms` value: 0 = all sessions start at the same moment (their turns end within a few ms of each
 other), S > 0 = session i starts i·S/N ms later (turns ending spread over S ms, like independent users).
 Measured by the client, per turn, from the end of speech — the moment the append holding the last voiced sample
@@ -135,7 +138,12 @@ async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_m
                     end_of_speech = time.perf_counter()
                 sent_ms += chunk_ms
                 await asyncio.sleep(max(0.0, t0 + sent_ms / 1000 - time.perf_counter()))
-            while not done.is_set():  # the microphone stays open: silence until the reply is done
+
+            def listening() -> bool:  # to the reply: until it is done and its audio has played out
+                return not done.is_set() or ("audio" in marks and
+                                             time.perf_counter() < marks["audio"] + playback["played"])
+
+            while listening():  # the microphone stays open: silence meanwhile
                 await ws.send(orjson.dumps({"type": "input_audio_buffer.append", "audio": silence}).decode())
                 sent_ms += chunk_ms
                 await asyncio.sleep(max(0.0, t0 + sent_ms / 1000 - time.perf_counter()))
