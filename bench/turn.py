@@ -2,7 +2,7 @@
 on utterances paused at an incomplete point, and how soon after the end of speech it decides.
 
     rtserve bench turn [--limit N] [--dump FILE]     (runs the models)
-    rtserve bench turn --scores FILE                 (replays a dump under the rule as the code has it now)
+    rtserve bench turn --scores FILE [--as-heard]    (replays a dump under the rule as the code has it now)
 
 Two sets, synthesized now with piper (joe-us, its own noise on every clip; nothing recorded): COMPLETE questions and
 statements, and PAUSED utterances cut at an incomplete point ("of", "and", "the", "um", mid-clause) by a 300-700 ms
@@ -76,6 +76,7 @@ PAUSED = [
 INSTRUCTIONS = "You are a concise voice assistant. Answer in one short sentence."
 RATE = 16_000
 CHUNK_MS = 40
+AS_HEARD = False  # --as-heard: replay without conditioning the text scores on the last word's end
 SCORED_FROM_MS = 100  # pauses at least this long are scored (shorter ones are gaps between words)
 
 
@@ -87,6 +88,7 @@ class Pause:
     transcript: str = ""
     eot_logprobs: list[float] | None = None  # the prefill's logprobs at end_of_turn_positions (punctuation.., token)
     p_sentence_end: float | None = None  # P(a sentence ends after the words), from the same prefill's top logprobs
+    p_word_end: float | None = None  # P(the last word is over), likewise (turn_detection.word_end_probability)
     p_audio: float | None = None
     whisper_s: float = 0.0
     prefill_s: float = 0.0
@@ -98,8 +100,23 @@ class Pause:
 
     @property
     def p_text(self) -> float | None:
-        """The server's text signal: the end-of-turn token jointly with Whisper's punctuation before it."""
-        return float(np.exp(sum(self.eot_logprobs))) if self.eot_logprobs else None
+        """The server's text signal: the end-of-turn token jointly with Whisper's punctuation before it, given that
+        the last word is over."""
+        return self.at_word_end(float(np.exp(sum(self.eot_logprobs)))) if self.eot_logprobs else None
+
+    @property
+    def p_end(self) -> float | None:
+        """P(a sentence ends after the words), given that the last word is over."""
+        return self.at_word_end(self.p_sentence_end)
+
+    def at_word_end(self, p: float | None) -> float | None:
+        """`p` given the last word is over (turn_detection.at_word_end); as it is in a dump from before
+        p_word_end, or under --as-heard (the rule without it, for a comparison on the same dump)."""
+        from gateway.realtime.turn_detection import at_word_end
+
+        if self.p_word_end is None or AS_HEARD:
+            return p
+        return at_word_end(p, self.p_word_end)
 
     @property
     def p_token(self) -> float | None:
@@ -118,7 +135,7 @@ class Pause:
         if rule == "Smart Turn alone":
             return reported + 1000 * self.smart_s
         text = reported + 1000 * (self.whisper_s + self.prefill_s)
-        if rule == "combined" and audio_matters(self.p_text, policy or EAGERNESS["medium"], self.p_sentence_end):
+        if rule == "combined" and audio_matters(self.p_text, policy or EAGERNESS["medium"], self.p_end):
             return text + 1000 * self.smart_s
         return text
 
@@ -175,14 +192,16 @@ def score(clips: list[tuple[str, int, str, np.ndarray, float]]) -> list[Clip]:
     from audio import smart_turn
     from audio.whisper import get_whisper
     from engine import LLMEngine, SamplingParams
-    from gateway.realtime.response import SENTENCE_END_TOP, end_of_turn_positions, sentence_end_ids, stop_token_ids
-    from gateway.realtime.turn_detection import sentence_end_probability
+    from gateway.realtime.response import (SENTENCE_END_TOP, end_of_turn_positions, sentence_end_ids, stop_token_ids,
+                                           word_continuation_ids)
+    from gateway.realtime.turn_detection import sentence_end_probability, word_end_probability
 
     whisper = get_whisper()
     engine = LLMEngine(dtype="bfloat16", quantization="gguf", kv_cache_memory="128MiB")
     tok = engine.tokenizer
     stops = stop_token_ids(tok)
     ends = sentence_end_ids(tok, tuple(stops))
+    goes_on = word_continuation_ids(tok)
     out = []
     for kind, index, text, audio, end_ms in clips:
         clip = Clip(kind, index, text, end_ms)
@@ -207,7 +226,9 @@ def score(clips: list[tuple[str, int, str, np.ndarray, float]]) -> list[Clip]:
                     for o in engine.step():
                         if o.prompt_logprobs:
                             pause.eot_logprobs = [float(o.prompt_logprobs[i]) for i in positions]
-                            pause.p_sentence_end = sentence_end_probability(o.prompt_top_logprobs[positions[0]], ends)
+                            first = o.prompt_top_logprobs[positions[0]]
+                            pause.p_sentence_end = sentence_end_probability(first, ends)
+                            pause.p_word_end = word_end_probability(first, goes_on)
             t2 = time.perf_counter()
             pause.p_audio = smart_turn.score(turn)
             pause.whisper_s, pause.prefill_s, pause.smart_s = t1 - t0, t2 - t1, time.perf_counter() - t2
@@ -226,7 +247,7 @@ def probability(p: Pause, rule: str) -> float:
 
     return {"end-of-turn token alone": p.p_token or 0.0, "text alone": p.p_text or 0.0,
             "Smart Turn alone": p.p_audio or 0.0,
-            "combined": combine(p.p_text, p.p_audio, p.p_sentence_end)}[rule]
+            "combined": combine(p.p_text, p.p_audio, p.p_end)}[rule]
 
 
 def decide(clip: Clip, rule: str, policy=None, window_ms: int | None = None) -> tuple[int, str, float]:
@@ -302,7 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="only the first N utterances of each set (0: all)")
     ap.add_argument("--dump", metavar="FILE", help="write every pause's scores and timings to FILE (JSON)")
     ap.add_argument("--scores", metavar="FILE", help="report from scores dumped earlier instead of running the models")
+    ap.add_argument("--as-heard", action="store_true",
+                    help="text scores not conditioned on the last word's end (the rule before at_word_end)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    global AS_HEARD
+    AS_HEARD = args.as_heard
     if args.scores:
         report(load(args.scores))
         return 0

@@ -163,6 +163,7 @@ class ResponseRunner:
         self.session_id, self.cache_salt, self.max_output_tokens = session_id, cache_salt, max_output_tokens
         self.stop_ids = stop_token_ids(engine.tokenizer)
         self.sentence_ends: frozenset[int] | None = None   # sentence_end_ids, found off the event loop at first use
+        self.word_goes_on: frozenset[int] | None = None    # word_continuation_ids, likewise
         # the model's sampling defaults (--generation-config) the Realtime API has no field for (set by the app)
         self.sampling_defaults: dict = {}
 
@@ -284,6 +285,8 @@ class ResponseRunner:
             if self.sentence_ends is None:
                 self.sentence_ends = await asyncio.to_thread(sentence_end_ids, self.engine.tokenizer,
                                                              tuple(self.stop_ids))
+            if self.word_goes_on is None:
+                self.word_goes_on = await asyncio.to_thread(word_continuation_ids, self.engine.tokenizer)
         speech = None
         # the reply will be spoken: start on it (not when it may call a tool: its text is parsed first, by the
         # response, so no call is ever spoken)
@@ -291,6 +294,7 @@ class ResponseRunner:
             speech = SpeechPlan(self.stage, *output_format(config))
         return Pregen(self.engine, f"{self.session_id}-{p.new_id('pre')}", prompt, sampling, speech=speech,
                       eot_positions=scored, sentence_end_ids=self.sentence_ends or frozenset(),
+                      continuation_ids=self.word_goes_on or frozenset(),
                       priority=REALTIME_PRIORITY, cache_salt=self.cache_salt, session_id=self.session_id)
 
     def open_sink(self, resp: ActiveResponse):
@@ -492,6 +496,21 @@ def sentence_end_ids(tokenizer, stop_ids: tuple[int, ...]) -> frozenset[int]:
     ends = {i for i in candidates
             if (s := tokenizer.decode([i]).strip()) and len(s) <= 3 and all(c in ".?!" for c in s)}
     return frozenset(ends | set(stop_ids))
+
+
+@functools.cache
+def word_continuation_ids(tokenizer) -> frozenset[int]:
+    """The tokens that go on with the word before them rather than start a new one or end it: those whose text begins
+    with an ASCII letter or digit, or an apostrophe before a letter ("Juliet" -> "te", "'s"). Their share of the
+    distribution after the user's last word is the model's doubt that the word is over (turn_detection.at_word_end).
+    Scripts without spaces between words (and letters outside ASCII) are left out: there, a word's end cannot be read
+    off a token's first character."""
+    goes_on = set()
+    for i in tokenizer.get_vocab().values():
+        s = tokenizer.decode([i])
+        if s and s.isascii() and (s[0].isalnum() or (s[0] == "'" and s[1:2].isalpha())):
+            goes_on.add(i)
+    return frozenset(goes_on)
 
 
 def stop_token_ids(tokenizer) -> list[int]:

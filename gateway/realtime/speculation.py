@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Awaitable, Callable
 
@@ -21,7 +22,7 @@ from audio.stage import AudioStage
 from audio.tts import SpeechClock, SpeechJob
 from gateway.realtime.audio_out import SpeechPlan, drop_speech, sentence_chunker
 from gateway.realtime.trace import trace
-from gateway.realtime.turn_detection import sentence_end_probability
+from gateway.realtime.turn_detection import at_word_end, sentence_end_probability, word_end_probability
 
 log = logging.getLogger("rtserve.voice")
 
@@ -122,14 +123,15 @@ class Pregen:
 
     def __init__(self, engine, request_id: str, prompt, sampling, speech: SpeechPlan | None = None,
                  eot_positions: list[int] | None = None, sentence_end_ids: frozenset[int] = frozenset(),
-                 **kwargs) -> None:
+                 continuation_ids: frozenset[int] = frozenset(), **kwargs) -> None:
         self.request_id, self.prompt, self.sampling = request_id, prompt, sampling
         # the prompt positions of the turn's end after the user's words (response.end_of_turn_positions), scored by
         # the prefill (sampling.prompt_logprob_positions); their joint logprob goes to `on_end_of_turn` callbacks,
         # with P(a sentence ends after the words): the `sentence_end_ids` among the top logprobs at the first of them
-        # (sampling.prompt_logprobs)
+        # (sampling.prompt_logprobs); both given that the user's last word is over (turn_detection.at_word_end, from
+        # the `continuation_ids` there)
         self.eot_positions = list(eot_positions or [])
-        self.sentence_end_ids = sentence_end_ids
+        self.sentence_end_ids, self.continuation_ids = sentence_end_ids, continuation_ids
         self.eot_logprob: float | None = None
         self.p_sentence_end: float | None = None
         self._eot_known = not self.eot_positions
@@ -163,10 +165,18 @@ class Pregen:
         for callback in callbacks:
             callback(logprob, p_sentence_end)
 
-    def _sentence_end(self, top: dict | None) -> float | None:
-        """P(a sentence ends right after the user's words), from the top logprobs at the first scored position."""
+    def _scores(self, logprobs: dict, top: dict | None) -> tuple[float | None, float | None]:
+        """The end-of-turn positions' joint logprob and P(a sentence ends right after the user's words), from the top
+        logprobs at the first scored position; both given that the last word is over (None: not scored)."""
+        joint = sum(logprobs[i] for i in self.eot_positions) if all(i in logprobs for i in self.eot_positions) \
+            else None
         first = top.get(self.eot_positions[0]) if top and self.eot_positions else None
-        return None if first is None else sentence_end_probability(first, self.sentence_end_ids)
+        if first is None:
+            return joint, None
+        p_word_end = word_end_probability(first, self.continuation_ids)
+        p_text = at_word_end(math.exp(joint), p_word_end) if joint is not None else None
+        return (math.log(p_text) if p_text else joint), \
+            at_word_end(sentence_end_probability(first, self.sentence_end_ids), p_word_end)
 
     def _first_piece_done(self) -> None:
         if self._plan is not None:
@@ -191,10 +201,7 @@ class Pregen:
                     self.outputs.append(out)
                     self._wake.set()
                     if out.prompt_logprobs is not None:
-                        lps = out.prompt_logprobs
-                        self._end_of_turn(sum(lps[i] for i in self.eot_positions)
-                                          if all(i in lps for i in self.eot_positions) else None,
-                                          self._sentence_end(out.prompt_top_logprobs))
+                        self._end_of_turn(*self._scores(out.prompt_logprobs, out.prompt_top_logprobs))
                     if self._speaking and out.text_delta:
                         self._say(self._chunker.push(out.text_delta))
                     if self._speaking and out.finished:

@@ -6,7 +6,8 @@ At a pause of `Eagerness.min_silence_ms` inside a turn, two signals score the tu
   last word, jointly with the punctuation Whisper put before it, which the pause's speculative prefill
   (speculation.py) computes in its own forward pass (`SamplingParams.prompt_logprob_positions`); and from the same
   distribution, after the last word, P(a sentence ends there): its sentence-end tokens (".", "?", "!", the end-of-turn
-  token) summed over its top logprobs (`SamplingParams.prompt_logprobs`), whatever Whisper wrote;
+  token) summed over its top logprobs (`SamplingParams.prompt_logprobs`), whatever Whisper wrote; both given that the
+  user's last word is over (`at_word_end`);
 - Smart Turn v3.2 (audio/smart_turn.py), P(complete) from the prosody of the last 8 s of audio.
 
 `combine` turns them into one probability; Smart Turn is only asked where its score can change the outcome
@@ -70,6 +71,7 @@ EAGERNESS = {"high": Eagerness(100, 0.1, 0.05), "medium": Eagerness(150, 0.15, 0
              "auto": Eagerness(150, 0.15, 0.05), "low": Eagerness(250, 0.5, 0.1)}
 TEXT_WEIGHT = 0.8  # the engine's signal's share of the combined probability; Smart Turn has the rest
 TEXT_VETO = 0.05  # below this P(end of turn | transcript) no early end, whatever the audio says
+WORD_END_MIN = 0.1  # at_word_end raises a probability tenfold at most, when the model is sure the word goes on
 REPAIR_GRACE_MS = 1000  # speech resuming this soon after an early end's segment end continues the same turn
 
 
@@ -88,6 +90,22 @@ def sentence_end_probability(top_logprobs, sentence_end_ids: frozenset[int]) -> 
     """P(a sentence ends after the user's words): the sentence-end tokens' share of the top (token id, logprob) pairs
     the prefill returned right after them (those outside the top count as 0)."""
     return min(1.0, sum(math.exp(lp) for tok, lp in top_logprobs if tok in sentence_end_ids))
+
+
+def word_end_probability(top_logprobs, continuation_ids: frozenset[int]) -> float:
+    """P(the user's last word ends where Whisper ended it), as the prefill reads it: 1 − the share of the top
+    (token id, logprob) pairs right after it that would go on with the word (response.word_continuation_ids), no lower
+    than WORD_END_MIN."""
+    goes_on = sum(math.exp(lp) for tok, lp in top_logprobs if tok in continuation_ids)
+    return max(WORD_END_MIN, 1.0 - goes_on)
+
+
+def at_word_end(p: float | None, p_word_end: float | None) -> float | None:
+    """`p`, the probability of something that follows the user's last word (the end-of-turn token, a sentence end),
+    given that the word is over. Whisper heard a whole word and then silence, so the model's mass on the word going on
+    ("Romeo and Juliet" -> "te") is no reason to doubt the end: without this, a name the model knows a longer
+    spelling of reads as unfinished."""
+    return p if p is None or p_word_end is None else min(1.0, p / p_word_end)
 
 
 def combine(p_text: float | None, p_audio: float | None, p_sentence_end: float | None = None) -> float:

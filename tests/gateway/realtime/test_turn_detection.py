@@ -9,6 +9,7 @@ import math
 import pytest
 
 from audio.stage import AudioStage
+from audio.vad import SEMANTIC_EAGERNESS_MS
 from gateway.metrics import Metrics
 from gateway.realtime.turn_detection import EAGERNESS, TurnDetector
 from tests.audio.speech import steady_piper_speech
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.slow
 SESSION = {"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 16,
            "instructions": "You are a concise voice assistant. Answer in one short sentence.",
            "audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "medium"}}}}
+WINDOW_MS = SEMANTIC_EAGERNESS_MS["medium"]
 PAUSE_MS = 450  # past the medium eagerness's shortest silence, well short of its 800 ms window
 
 
@@ -101,6 +103,52 @@ async def test_the_prefill_says_where_a_sentence_can_end(server):
     (lisa_text, lisa_end), (capital_text, capital_end) = got.values()
     assert lisa_text < TEXT_VETO and capital_text < TEXT_VETO, got
     assert lisa_end > 4 * policy.floor and capital_end < policy.floor, got
+    await server.wait_idle(pinned_ok=True)
+
+
+async def test_the_text_scores_are_read_given_that_the_last_word_is_over(server):
+    """"who wrote Romeo and Juliet" (as Whisper wrote a complete question in `rtserve bench voice`): the model puts most
+    of its mass after "Juliet" on the word going on ("te"), so as heard both text scores are small; given that the word
+    is over (the real tokenizer's continuation tokens, the real prefill), a sentence end is likely. "What is the capital
+    of" stays unfinished either way: nothing goes on with "of"."""
+    from types import SimpleNamespace
+
+    from engine import SamplingParams
+    from gateway.realtime.response import (SENTENCE_END_TOP, end_of_turn_positions, sentence_end_ids, stop_token_ids,
+                                           word_continuation_ids)
+    from gateway.realtime.speculation import Pregen
+    from gateway.realtime.turn_detection import combine, early_end_ms
+
+    engine, policy = server.engine, EAGERNESS["medium"]
+    tok = engine.tokenizer
+    stops = stop_token_ids(tok)
+    ends, goes_on = sentence_end_ids(tok, tuple(stops)), word_continuation_ids(tok)
+    assert tok.encode("te", add_special_tokens=False)[0] in goes_on and tok.convert_tokens_to_ids("?") not in goes_on
+    assert not goes_on & ends and not goes_on & set(tok.encode(" by the", add_special_tokens=False))
+
+    async def scores(text: str, continuation_ids: frozenset[int]) -> tuple[float, float]:
+        prompt = tok.apply_chat_template([{"role": "system", "content": SESSION["instructions"]},
+                                          {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        ids = tok.encode(prompt, add_special_tokens=False)
+        positions = end_of_turn_positions(ids, stops, tok.decode)
+        sampling = SamplingParams(max_tokens=1, temperature=0, prompt_logprob_positions=positions,
+                                  prompt_logprobs=SENTENCE_END_TOP)
+        scored = asyncio.get_running_loop().create_future()
+        pre = Pregen(engine, f"test-word-end-{len(text)}-{len(continuation_ids)}", SimpleNamespace(ids=ids), sampling,
+                     eot_positions=positions, sentence_end_ids=ends, continuation_ids=continuation_ids)
+        pre.on_end_of_turn(lambda logprob, p_end: scored.done() or scored.set_result((logprob, p_end)))
+        logprob, p_end = await asyncio.wait_for(scored, 60)
+        pre.cancel()
+        return math.exp(logprob), p_end
+
+    heard_text, heard_end = await scores("who wrote Romeo and Juliet.", frozenset())
+    text, end = await scores("who wrote Romeo and Juliet.", goes_on)
+    assert text > 4 * heard_text and end > 4 * heard_end, (heard_text, heard_end, text, end)
+    # with a voice that sounds finished, the turn now ends before the window; as heard it waited the window out
+    assert early_end_ms(combine(heard_text, 0.9, heard_end), policy, WINDOW_MS) is None
+    assert early_end_ms(combine(text, 0.9, end), policy, WINDOW_MS) is not None
+    capital_text, capital_end = await scores("What is the capital of", goes_on)
+    assert capital_text < policy.floor and capital_end < policy.floor, (capital_text, capital_end)
     await server.wait_idle(pinned_ok=True)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.realtime.turn_detection import (EAGERNESS, TEXT_VETO, Eagerness, audio_matters, combine,
-                                             early_end_ms)
+from gateway.realtime.turn_detection import (EAGERNESS, TEXT_VETO, WORD_END_MIN, Eagerness, at_word_end,
+                                             audio_matters, combine, early_end_ms, word_end_probability)
 
 WINDOW = 800
 
@@ -63,6 +63,22 @@ def test_both_signals_agreeing_on_a_sentence_end_override_the_veto():
     assert combine(1e-5, None, 0.9) == 0.0  # no audio score: the text alone decides, and vetoes
     assert combine(0.9, 0.1, 0.95) == pytest.approx(0.8 * 0.9 + 0.2 * 0.1)  # the higher of the two ways
     assert combine(0.06, 0.9, 0.9) == pytest.approx(0.81)
+
+
+def test_the_text_scores_are_taken_given_that_the_last_word_is_over():
+    """"...Romeo and Juliet" where the model expects "te" (Juliette): the mass on the word going on is taken out, so the
+    end-of-turn token and a sentence end are read among the ways the word can be over."""
+    import math
+
+    te, tes, by, qm = 1, 2, 3, 4
+    top = [(te, math.log(0.80)), (by, math.log(0.05)), (qm, math.log(0.05)), (tes, math.log(0.05))]
+    p_word_end = word_end_probability(top, frozenset({te, tes}))
+    assert p_word_end == pytest.approx(0.15)
+    assert at_word_end(0.05, p_word_end) == pytest.approx(1 / 3)
+    assert at_word_end(0.5, p_word_end) == 1.0  # a probability still
+    assert at_word_end(None, p_word_end) is None and at_word_end(0.3, None) == 0.3  # unscored: as it was
+    assert word_end_probability(top, frozenset()) == 1.0  # nothing goes on with the word: as heard
+    assert word_end_probability([(te, 0.0)], frozenset({te})) == WORD_END_MIN  # a bounded rise, however sure
 
 
 @pytest.mark.parametrize("eagerness", sorted(EAGERNESS))
