@@ -49,6 +49,10 @@ SOT = 50257
 NO_SPEECH = 50361  # <|nocaptions|>: its probability after SOT says "there is no speech here"
 NO_TIMESTAMPS = 50362
 NO_SPEECH_THRESHOLD = 0.6  # Whisper's own default
+# A greedy decoder that writes the same block of at least LOOP_MIN_TOKENS tokens three times in a row is looping (the
+# short context's failure above still happens now and then): the row keeps one copy and ends (`looped`)
+LOOP_MIN_TOKENS = 4
+LOOP_MAX_TOKENS = 48  # longer blocks are not looked for: a loop repeats a sentence or less
 FIRST_SPECIAL = 50257  # everything from here on is never a text token
 
 _CT2_DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16, 5: "bfloat16"}
@@ -437,6 +441,17 @@ def _q8_forward(lin: torch.nn.Linear, blocks: tuple[tuple[torch.Tensor, torch.Te
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
+def looped(tokens: list[int]) -> int:
+    """The length of the block the tokens end in three copies of, back to back (the shortest such block of
+    LOOP_MIN_TOKENS to LOOP_MAX_TOKENS tokens), or 0: Whisper's greedy decoding has fallen into a loop ("What is 2
+    plus 2? What is 2 plus 2? What is 2 plus 2?"), which only ends at the row's token cap. People do repeat a word or
+    two ("no, no, no"); a sentence said three times over in one breath, hardly ever."""
+    for k in range(LOOP_MIN_TOKENS, min(LOOP_MAX_TOKENS, len(tokens) // 3) + 1):
+        if tokens[-k:] == tokens[-2 * k:-k] == tokens[-3 * k:-2 * k]:
+            return k
+    return 0
+
+
 @dataclass(slots=True, eq=False)
 class _Row:
     key: object
@@ -522,6 +537,16 @@ class Decoder:
         self.cross_k, self.cross_v, self.self_k, self.self_v = (
             x.index_select(1, t) for x in (self.cross_k, self.cross_v, self.self_k, self.self_v))
 
+    def _cut_loop(self, tokens: list[int], k: int) -> None:
+        """Keep one copy of the looping block the tokens end in: its first copy may be spelled with other tokens
+        ("What" opening the transcript, " What" after it), so the text decides whether one is left."""
+        block = tokens[-k:]
+        while tokens[-k:] == block:
+            del tokens[-k:]
+        said = self.model.detokenize(block).strip()
+        if not self.model.detokenize(tokens).strip().endswith(said):
+            tokens += block
+
     def pass_inputs(self) -> tuple[torch.Tensor, ...]:
         """`_DecoderPass`'s arguments for the next step of every row: its input token, its position, both masks and
         the caches."""
@@ -565,6 +590,9 @@ class Decoder:
                 continue
             r.tokens.append(tok)
             done = len(r.tokens) >= r.cap
+            if loop := looped(r.tokens):
+                self._cut_loop(r.tokens, loop)
+                done = True
             out.append((r.key, r.tokens, done))
             if not done:
                 keep.append(i)

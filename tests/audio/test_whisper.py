@@ -214,6 +214,27 @@ def test_token_cap_stops_a_looping_decoder(model, clips):
     assert 0 < len(tokens) <= 12
 
 
+def test_a_looping_decoder_keeps_one_copy_and_stops(model, clips):
+    """With almost no padding tiny.en loops on a question ("What is the capital of France? What is the capital of
+    France? ..."); under a generous cap the loop guard ends the row with the question said once."""
+    for clip in clips.values():
+        enc = model.encode(model.features([clip], positions=int(len(clip) / 320) + 1))
+        tokens = model.decode_greedy(enc, [120])[0]
+        text = _norm(model.detokenize(tokens))
+        assert len(tokens) < 20 and text.count("what is the") == 1, text
+
+
+def test_the_loop_guard_wants_a_block_three_times_over():
+    from audio.whisper import LOOP_MIN_TOKENS, looped
+
+    block = list(range(10, 10 + LOOP_MIN_TOKENS + 2))
+    assert looped([1, 2] + block * 3) == len(block)
+    assert looped([1, 2] + block * 2) == 0  # twice may be said
+    assert looped(block * 3 + [7]) == 0  # only where the tokens end
+    assert looped([5] * 9) == 0  # "no, no, no": a short block is speech, not a loop
+    assert looped([]) == 0
+
+
 def test_quantized_linears_agree_with_the_dense_model(model, clips):
     """Every linear layer and the vocabulary projection on 8-bit blocks for the packed kernel (this CPU has one): the
     encoder's states and the logits within the blocks' rounding of the dense bf16 model's, and the same tokens."""
