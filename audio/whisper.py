@@ -37,9 +37,12 @@ MAX_NEW_TOKENS = 224  # Whisper's own limit: half the 448-token text context
 HOP = 160  # log-mel hop: 100 frames per second; the encoder halves that to 50 positions per second
 # The encoder sees only the real audio plus padding, not the whole 30 s window (whisper.cpp's ``audio_ctx``), so a
 # short turn costs a fraction of the encoder's work.  Too little context makes tiny.en loop ("What is X? What is X?
-# ..."); a floor of 10 s, and 1 s of padding after the audio, keeps the word error rate no worse than the full window
-# (docs/benchmarks.md, Voice).  Lengths are rounded up to whole seconds so batches reuse a few shapes.
-MIN_CONTEXT_POSITIONS = 500
+# ..."), which the decoder's loop guard (`looped`) cuts; with it, a floor of 8 s and 1 s of padding after the audio
+# keep the word error rate that of the 10 s floor before it (a 4 s floor costs up to a point, and doubles some
+# transcripts of half-said turns, "Please call. Please call."), and the encoder is the first thing every turn waits
+# on when many end at once (docs/benchmarks.md, Whisper).  Lengths are rounded up to whole seconds so batches reuse a
+# few shapes.
+MIN_CONTEXT_POSITIONS = 400
 CONTEXT_PAD_POSITIONS = 50
 POSITIONS_PER_SECOND = 50
 
@@ -50,7 +53,7 @@ NO_SPEECH = 50361  # <|nocaptions|>: its probability after SOT says "there is no
 NO_TIMESTAMPS = 50362
 NO_SPEECH_THRESHOLD = 0.6  # Whisper's own default
 # A greedy decoder that writes the same block of at least LOOP_MIN_TOKENS tokens three times in a row is looping (the
-# short context's failure above still happens now and then): the row keeps one copy and ends (`looped`)
+# short context's failure above happens now and then): the row keeps one copy and ends (`looped`)
 LOOP_MIN_TOKENS = 4
 LOOP_MAX_TOKENS = 48  # longer blocks are not looked for: a loop repeats a sentence or less
 FIRST_SPECIAL = 50257  # everything from here on is never a text token
@@ -322,7 +325,7 @@ class WhisperModel:
     # ---- compute
     @staticmethod
     def context_positions(num_samples: int) -> int:
-        """Encoder positions for a clip of ``num_samples``: the audio + 1 s, at least 10 s, whole seconds, ≤ 30 s."""
+        """Encoder positions for a clip of ``num_samples``: the audio + 1 s, at least 8 s, whole seconds, ≤ 30 s."""
         need = -(-num_samples // (2 * HOP)) + CONTEXT_PAD_POSITIONS
         need = -(-need // POSITIONS_PER_SECOND) * POSITIONS_PER_SECOND
         return min(WINDOW_SAMPLES // (2 * HOP), max(MIN_CONTEXT_POSITIONS, need))
