@@ -68,38 +68,48 @@ async def test_smart_turn_is_asked_only_where_the_text_leaves_the_end_open():
         stage.close()
 
 
-async def test_the_prefill_says_where_a_sentence_can_end(server):
-    """The pause's prefill returns, beside the end-of-turn logprob, P(a sentence ends after the words) from the top
-    logprobs of the same position (the real engine): "who painted the Mona Lisa" (no "?", as Whisper wrote it for a
-    complete question in `rtserve bench turn`) is vetoed by the joint text score but reads as a sentence that can end;
-    "What is the capital of" reads as neither."""
+async def prefill_scores(engine, text: str, request_id: str, continuation_ids: frozenset[int] = frozenset()
+                         ) -> tuple[float, float]:
+    """The pause's text scores for `text` as a voice session's prefill returns them (the real engine, through `Pregen`):
+    P(end of turn) jointly with Whisper's punctuation, and P(a sentence ends after the words)."""
     from types import SimpleNamespace
 
     from engine import SamplingParams
     from gateway.realtime.response import SENTENCE_END_TOP, end_of_turn_positions, sentence_end_ids, stop_token_ids
     from gateway.realtime.speculation import Pregen
+
+    tok = engine.tokenizer
+    stops = stop_token_ids(tok)
+    prompt = tok.apply_chat_template([{"role": "system", "content": SESSION["instructions"]},
+                                      {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    positions = end_of_turn_positions(ids, stops, tok.decode)
+    sampling = SamplingParams(max_tokens=1, temperature=0, prompt_logprob_positions=positions,
+                              prompt_logprobs=SENTENCE_END_TOP)
+    scored = asyncio.get_running_loop().create_future()
+    pre = Pregen(engine, request_id, SimpleNamespace(ids=ids), sampling, eot_positions=positions,
+                 sentence_end_ids=sentence_end_ids(tok, tuple(stops)), continuation_ids=continuation_ids)
+    pre.on_end_of_turn(lambda logprob, p_end: scored.done() or scored.set_result((logprob, p_end)))
+    logprob, p_end = await asyncio.wait_for(scored, 60)
+    pre.cancel()
+    return math.exp(logprob), p_end
+
+
+async def test_the_prefill_says_where_a_sentence_can_end(server):
+    """The pause's prefill returns, beside the end-of-turn logprob, P(a sentence ends after the words) from the top
+    logprobs of the same position (the real engine): "who painted the Mona Lisa" (no "?", as Whisper wrote it for a
+    complete question in `rtserve bench turn`) is vetoed by the joint text score but reads as a sentence that can end;
+    "What is the capital of" reads as neither."""
+    from gateway.realtime.response import sentence_end_ids, stop_token_ids
     from gateway.realtime.turn_detection import TEXT_VETO
 
     engine, policy = server.engine, EAGERNESS["medium"]
     tok = engine.tokenizer
-    stops = stop_token_ids(tok)
-    ends = sentence_end_ids(tok, tuple(stops))
+    ends = sentence_end_ids(tok, tuple(stop_token_ids(tok)))
     assert {tok.convert_tokens_to_ids(t) for t in ("?", ".", "!", "<|im_end|>")} <= ends
     got = {}
     for text in ("who painted the Mona Lisa", "What is the capital of"):
-        prompt = tok.apply_chat_template([{"role": "system", "content": SESSION["instructions"]},
-                                          {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        ids = tok.encode(prompt, add_special_tokens=False)
-        positions = end_of_turn_positions(ids, stops, tok.decode)
-        sampling = SamplingParams(max_tokens=1, temperature=0, prompt_logprob_positions=positions,
-                                  prompt_logprobs=SENTENCE_END_TOP)
-        scored = asyncio.get_running_loop().create_future()
-        pre = Pregen(engine, f"test-sentence-end-{len(got)}", SimpleNamespace(ids=ids), sampling,
-                     eot_positions=positions, sentence_end_ids=ends)
-        pre.on_end_of_turn(lambda logprob, p_end: scored.done() or scored.set_result((logprob, p_end)))
-        logprob, p_end = await asyncio.wait_for(scored, 60)
-        pre.cancel()
-        got[text] = (math.exp(logprob), p_end)
+        got[text] = await prefill_scores(engine, text, f"test-sentence-end-{len(got)}")
     (lisa_text, lisa_end), (capital_text, capital_end) = got.values()
     assert lisa_text < TEXT_VETO and capital_text < TEXT_VETO, got
     assert lisa_end > 4 * policy.floor and capital_end < policy.floor, got
@@ -111,35 +121,18 @@ async def test_the_text_scores_are_read_given_that_the_last_word_is_over(server)
     of its mass after "Juliet" on the word going on ("te"), so as heard both text scores are small; given that the word
     is over (the real tokenizer's continuation tokens, the real prefill), a sentence end is likely. "What is the capital
     of" stays unfinished either way: nothing goes on with "of"."""
-    from types import SimpleNamespace
-
-    from engine import SamplingParams
-    from gateway.realtime.response import (SENTENCE_END_TOP, end_of_turn_positions, sentence_end_ids, stop_token_ids,
-                                           word_continuation_ids)
-    from gateway.realtime.speculation import Pregen
+    from gateway.realtime.response import sentence_end_ids, stop_token_ids, word_continuation_ids
     from gateway.realtime.turn_detection import combine, early_end_ms
 
     engine, policy = server.engine, EAGERNESS["medium"]
     tok = engine.tokenizer
-    stops = stop_token_ids(tok)
-    ends, goes_on = sentence_end_ids(tok, tuple(stops)), word_continuation_ids(tok)
+    ends, goes_on = sentence_end_ids(tok, tuple(stop_token_ids(tok))), word_continuation_ids(tok)
     assert tok.encode("te", add_special_tokens=False)[0] in goes_on and tok.convert_tokens_to_ids("?") not in goes_on
     assert not goes_on & ends and not goes_on & set(tok.encode(" by the", add_special_tokens=False))
 
     async def scores(text: str, continuation_ids: frozenset[int]) -> tuple[float, float]:
-        prompt = tok.apply_chat_template([{"role": "system", "content": SESSION["instructions"]},
-                                          {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        ids = tok.encode(prompt, add_special_tokens=False)
-        positions = end_of_turn_positions(ids, stops, tok.decode)
-        sampling = SamplingParams(max_tokens=1, temperature=0, prompt_logprob_positions=positions,
-                                  prompt_logprobs=SENTENCE_END_TOP)
-        scored = asyncio.get_running_loop().create_future()
-        pre = Pregen(engine, f"test-word-end-{len(text)}-{len(continuation_ids)}", SimpleNamespace(ids=ids), sampling,
-                     eot_positions=positions, sentence_end_ids=ends, continuation_ids=continuation_ids)
-        pre.on_end_of_turn(lambda logprob, p_end: scored.done() or scored.set_result((logprob, p_end)))
-        logprob, p_end = await asyncio.wait_for(scored, 60)
-        pre.cancel()
-        return math.exp(logprob), p_end
+        return await prefill_scores(engine, text, f"test-word-end-{len(text)}-{len(continuation_ids)}",
+                                    continuation_ids)
 
     heard_text, heard_end = await scores("who wrote Romeo and Juliet.", frozenset())
     text, end = await scores("who wrote Romeo and Juliet.", goes_on)
