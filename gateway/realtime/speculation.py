@@ -174,9 +174,9 @@ class Pregen:
         if first is None:
             return joint, None
         p_word_end = word_end_probability(first, self.continuation_ids)
-        p_text = at_word_end(math.exp(joint), p_word_end) if joint is not None else None
-        return (math.log(p_text) if p_text else joint), \
-            at_word_end(sentence_end_probability(first, self.sentence_end_ids), p_word_end)
+        # at_word_end in logprobs: divided by P(the word is over), no higher than 1
+        joint = min(0.0, joint - math.log(p_word_end)) if joint is not None else None
+        return joint, at_word_end(sentence_end_probability(first, self.sentence_end_ids), p_word_end)
 
     def _first_piece_done(self) -> None:
         if self._plan is not None:
