@@ -52,8 +52,9 @@ SOT = 50257
 NO_SPEECH = 50361  # <|nocaptions|>: its probability after SOT says "there is no speech here"
 NO_TIMESTAMPS = 50362
 NO_SPEECH_THRESHOLD = 0.6  # Whisper's own default
-# A greedy decoder that writes the same block of at least LOOP_MIN_TOKENS tokens three times in a row is looping (the
-# short context's failure above happens now and then): the row keeps one copy and ends (`looped`)
+# A greedy decoder that writes the same block of at least LOOP_MIN_TOKENS tokens three times in a row, past half its
+# token cap (more text than its audio holds at any speaking rate), is looping (the short context's failure above
+# happens now and then): the row keeps one copy and ends (`looped`). Below that, three copies were said.
 LOOP_MIN_TOKENS = 4
 LOOP_MAX_TOKENS = 48  # longer blocks are not looked for: a loop repeats a sentence or less
 FIRST_SPECIAL = 50257  # everything from here on is never a text token
@@ -448,7 +449,8 @@ def looped(tokens: list[int]) -> int:
     """The length of the block the tokens end in three copies of, back to back (the shortest such block of
     LOOP_MIN_TOKENS to LOOP_MAX_TOKENS tokens), or 0: Whisper's greedy decoding has fallen into a loop ("What is 2
     plus 2? What is 2 plus 2? What is 2 plus 2?"), which only ends at the row's token cap. People do repeat a word or
-    two ("no, no, no"); a sentence said three times over in one breath, hardly ever."""
+    two ("no, no, no"), and even a sentence, but not in more tokens than their audio holds: the decoder asks only past
+    half a row's cap."""
     for k in range(LOOP_MIN_TOKENS, min(LOOP_MAX_TOKENS, len(tokens) // 3) + 1):
         if tokens[-k:] == tokens[-2 * k:-k] == tokens[-3 * k:-2 * k]:
             return k
@@ -462,6 +464,20 @@ class _Row:
     cross_len: int         # encoder positions of its audio
     pos: int = 0           # tokens in its self-attention cache: its next input goes here
     tokens: list = field(default_factory=list)
+    # a repetition seen (`looped`): its block's length, and how many tokens the row had when its third copy ended
+    loop_k: int = 0
+    loop_at: int = 0
+
+    def watch_loop(self) -> bool:
+        """After each token: whether the row has been repeating one block since it held three copies of it, and is
+        now past half its cap (more text than its audio holds at any speaking rate): a loop, to cut back to
+        `loop_at`. A repetition that breaks off, or ends with the row, before that was said."""
+        tokens = self.tokens
+        if self.loop_k and tokens[-1] != tokens[-1 - self.loop_k]:
+            self.loop_k = 0
+        if not self.loop_k and (k := looped(tokens)):
+            self.loop_k, self.loop_at = k, len(tokens)
+        return bool(self.loop_k) and 2 * len(tokens) > self.cap
 
 
 class Decoder:
@@ -593,8 +609,9 @@ class Decoder:
                 continue
             r.tokens.append(tok)
             done = len(r.tokens) >= r.cap
-            if loop := looped(r.tokens):
-                self._cut_loop(r.tokens, loop)
+            if r.watch_loop():
+                del r.tokens[r.loop_at:]
+                self._cut_loop(r.tokens, r.loop_k)
                 done = True
             out.append((r.key, r.tokens, done))
             if not done:
