@@ -84,7 +84,7 @@ def main() -> None:
             enc_t = dec_t = float("inf")
             for _ in range(args.repeat):
                 t0 = time.perf_counter()
-                e = m.encode(m.features(clips))
+                e = m.encode_clips(clips)
                 t1 = time.perf_counter()
                 toks = m.decode_greedy(e)
                 t2 = time.perf_counter()

@@ -263,7 +263,7 @@ class Transcriber:
         model = self.model
         audios = [r.windows[r.window] for r in batch]
         t0 = time.perf_counter()
-        enc = model.encode(model.features(audios))
+        enc = model.encode_clips(audios)
         self.stats.encoder_seconds += time.perf_counter() - t0
         self.stats.audio_seconds += sum(len(a) for a in audios) / SAMPLE_RATE
         self.stats.batches += 1

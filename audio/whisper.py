@@ -39,12 +39,16 @@ HOP = 160  # log-mel hop: 100 frames per second; the encoder halves that to 50 p
 # short turn costs a fraction of the encoder's work.  Too little context makes tiny.en loop ("What is X? What is X?
 # ..."), which the decoder's loop guard (`looped`) cuts; with it, a floor of 8 s and 1 s of padding after the audio
 # keep the word error rate that of the 10 s floor before it (a 4 s floor costs up to a point, and doubles some
-# transcripts of half-said turns, "Please call. Please call."), and the encoder is the first thing every turn waits
-# on when many end at once (docs/benchmarks.md, Whisper).  Lengths are rounded up to whole seconds so batches reuse a
-# few shapes.
+# transcripts of half-said turns, "Please call. Please call.").  Lengths are rounded up to whole seconds so batches
+# reuse a few shapes.  Only the audio + 1 s is computed (`encode_clips`): the floor's further positions are silence,
+# and their keys, values and outputs are taken from a run of the encoder over silence alone (`_SilenceTail`), so a
+# short turn pays for its own length and still meets the silence after it that keeps the decoder from looping.  Every
+# turn waits on the encoder first, which is the tail when many end at once (docs/benchmarks.md, Whisper).
 MIN_CONTEXT_POSITIONS = 400
 CONTEXT_PAD_POSITIONS = 50
 POSITIONS_PER_SECOND = 50
+SILENCE_STEP = 0.05  # silence tails are kept per padding value (a clip's normalized log-mel floor), rounded to this
+SILENCE_TAILS = 32  # at most this many kept
 
 # Special tokens of the English-only vocabulary (see the packaged tokenizer.json).
 EOT = 50256
@@ -253,6 +257,9 @@ class WhisperModel:
             model.model.encoder.float()
             self.encoder_dtype = torch.float32
         self.encoder_pass = _EncoderPass(model.model.encoder)
+        self.tail_encoder_pass = _TailEncoderPass(model.model.encoder)
+        self._tails: dict[tuple[float, int], _SilenceTail] = {}  # (padding value, context positions), oldest first
+        self._tails_lock = threading.Lock()
         self.decoder_pass = _DecoderPass(model.model.decoder, self._logits)
         if settings.enabled("RTSERVE_WHISPER_GRAPH"):
             self._trace_graphs()
@@ -268,13 +275,18 @@ class WhisperModel:
             with torch.inference_mode(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the tracer's notes on shape-dependent Python branches (constant here)
                 encoder = torch.jit.trace(self.encoder_pass, (feats,), check_trace=False)
+                layers, heads = len(self.model.model.encoder.layers), self.model.config.encoder_attention_heads
+                tail = torch.zeros(layers, 1, heads, MIN_CONTEXT_POSITIONS // 2, self.model.config.d_model // heads,
+                                   dtype=self.encoder_dtype)
+                feats = feats[..., :MIN_CONTEXT_POSITIONS]
+                tail_encoder = torch.jit.trace(self.tail_encoder_pass, (feats, tail, tail), check_trace=False)
                 dec = Decoder(self, None)
                 dec.add(encoder(feats).to(self.dtype), [0], [8])
                 decoder = torch.jit.trace(self.decoder_pass, dec.pass_inputs(), check_trace=False)
         except Exception:  # noqa: BLE001 - only slower without the graphs
             log.warning("Whisper: tracing its passes failed; they run as Python modules", exc_info=True)
             return
-        self.encoder_pass, self.decoder_pass = encoder, decoder
+        self.encoder_pass, self.tail_encoder_pass, self.decoder_pass = encoder, tail_encoder, decoder
 
     # ---- loading
     @classmethod
@@ -325,11 +337,17 @@ class WhisperModel:
 
     # ---- compute
     @staticmethod
-    def context_positions(num_samples: int) -> int:
-        """Encoder positions for a clip of ``num_samples``: the audio + 1 s, at least 8 s, whole seconds, ≤ 30 s."""
+    def exact_positions(num_samples: int) -> int:
+        """Encoder positions computed for a clip of ``num_samples``: the audio + 1 s, whole seconds, ≤ 30 s."""
         need = -(-num_samples // (2 * HOP)) + CONTEXT_PAD_POSITIONS
         need = -(-need // POSITIONS_PER_SECOND) * POSITIONS_PER_SECOND
-        return min(WINDOW_SAMPLES // (2 * HOP), max(MIN_CONTEXT_POSITIONS, need))
+        return min(WINDOW_SAMPLES // (2 * HOP), need)
+
+    @staticmethod
+    def context_positions(num_samples: int) -> int:
+        """Encoder positions the decoder sees for a clip of ``num_samples``: the audio + 1 s, at least 8 s, whole
+        seconds, ≤ 30 s."""
+        return max(MIN_CONTEXT_POSITIONS, WhisperModel.exact_positions(num_samples))
 
     @staticmethod
     def max_tokens_for(num_samples: int) -> int:
@@ -353,6 +371,38 @@ class WhisperModel:
         `_EncoderPass` runs its modules itself), as one traced graph unless ``RTSERVE_WHISPER_GRAPH=0``."""
         with torch.jit.optimized_execution(False):
             return self.encoder_pass(features.to(self.encoder_dtype)).to(self.dtype)
+
+    @torch.inference_mode()
+    def encode_clips(self, audios: Sequence[np.ndarray]) -> torch.Tensor:
+        """Features and encoder for clips, ``[B, context_positions(longest), d]``: the positions the longest clip's
+        audio + 1 s fill are computed, attending to the rest of the context as silence (`_SilenceTail`); those further
+        positions' outputs are the silence run's."""
+        clips = [np.asarray(a, dtype=np.float32)[:WINDOW_SAMPLES] for a in audios]
+        longest = max(len(c) for c in clips)
+        exact, context = self.exact_positions(longest), self.context_positions(longest)
+        feats = self.features(clips, positions=exact)
+        if exact >= context:
+            return self.encode(feats)
+        # the padding frames hold each clip's floor: its loudest log-mel value - 8, normalized (the feature
+        # extractor's clamp), which is also the smallest value in its features
+        tails = [self._silence_tail(float(f.min()), context) for f in feats]
+        tail_k = torch.stack([t.keys for t in tails], 1)[..., exact:, :]
+        tail_v = torch.stack([t.values for t in tails], 1)[..., exact:, :]
+        with torch.jit.optimized_execution(False):
+            x = self.tail_encoder_pass(feats, tail_k, tail_v)
+        return torch.cat([x, torch.stack([t.out[exact:] for t in tails])], 1).to(self.dtype)
+
+    def _silence_tail(self, floor: float, positions: int) -> "_SilenceTail":
+        key = (round(floor / SILENCE_STEP) * SILENCE_STEP, positions)
+        with self._tails_lock:
+            tail = self._tails.get(key)
+        if tail is None:
+            tail = _SilenceTail.of(self.model.model.encoder, key[0], positions, self.encoder_dtype)
+            with self._tails_lock:
+                self._tails[key] = tail
+                while len(self._tails) > SILENCE_TAILS:
+                    self._tails.pop(next(iter(self._tails)))
+        return tail
 
     @torch.inference_mode()
     def decode_greedy(self, encoded: torch.Tensor, max_new_tokens: int | Sequence[int] = MAX_NEW_TOKENS,
@@ -396,7 +446,7 @@ class WhisperModel:
 
     def transcribe(self, audios: Sequence[np.ndarray]) -> list[str]:
         """Blocking convenience: one window per clip (clips over 30 s are cut), batched."""
-        enc = self.encode(self.features(audios))
+        enc = self.encode_clips(audios)
         caps = [self.max_tokens_for(min(len(a), WINDOW_SAMPLES)) for a in audios]
         return [self.detokenize(t).strip() for t in self.decode_greedy(enc, caps)]
 
@@ -620,6 +670,55 @@ class Decoder:
         return out
 
 
+def _stem(enc, features: torch.Tensor) -> torch.Tensor:
+    """The encoder's convolution stem and position table: ``[B, 80, 2T]`` log-mel → ``[B, T, d]``."""
+    x = torch.nn.functional.gelu(enc.conv1(features))
+    x = torch.nn.functional.gelu(enc.conv2(x)).permute(0, 2, 1).contiguous()
+    return x + enc.embed_positions.weight[: x.shape[1]]
+
+
+def _encoder_layer(layer, x: torch.Tensor, tail_k: torch.Tensor | None = None,
+                   tail_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One encoder layer (HF's WhisperEncoderLayer: pre-norm self-attention, then GELU MLP) over ``x`` [B, T, d],
+    its queries also attending to ``tail_k``/``tail_v`` [B, heads, T', head_dim] after its own positions. Returns
+    the output and the layer's own keys and values."""
+    attn = layer.self_attn
+    h = layer.self_attn_layer_norm(x)
+    b, t, d = h.shape
+    heads = attn.num_heads
+
+    def split(y: torch.Tensor) -> torch.Tensor:
+        return y.view(b, t, heads, d // heads).transpose(1, 2)
+    q, k, v = split(attn.q_proj(h)), split(attn.k_proj(h)), split(attn.v_proj(h))
+    keys, values = (k, v) if tail_k is None else (torch.cat([k, tail_k], 2), torch.cat([v, tail_v], 2))
+    o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=attn.scaling)
+    x = x + attn.out_proj(o.transpose(1, 2).reshape(b, t, d))
+    x = x + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
+    return x, k, v
+
+
+@dataclass(slots=True)
+class _SilenceTail:
+    """The encoder over a context of silence alone (every frame at one padding value): each layer's keys and
+    values ``[layers, heads, positions, head_dim]`` and the outputs ``[positions, d]``. A clip's positions attend to
+    its tail's keys past their own, as they would to the padding's in the whole context: padding that sees the audio
+    before it only through attention, and which tiny.en hears as silence either way."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    out: torch.Tensor
+
+    @classmethod
+    @torch.inference_mode()
+    def of(cls, enc, floor: float, positions: int, dtype: torch.dtype) -> "_SilenceTail":
+        x = _stem(enc, torch.full((1, enc.conv1.in_channels, 2 * positions), floor, dtype=dtype))
+        keys, values = [], []
+        for layer in enc.layers:
+            x, k, v = _encoder_layer(layer, x)
+            keys.append(k[0])
+            values.append(v[0])
+        return cls(torch.stack(keys), torch.stack(values), enc.layer_norm(x)[0])
+
+
 class _EncoderPass(torch.nn.Module):
     """The encoder over the positions its features hold: conv stem, sliced position table, layers, final norm."""
 
@@ -629,13 +728,27 @@ class _EncoderPass(torch.nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         enc = self.encoder
-        x = torch.nn.functional.gelu(enc.conv1(features))
-        x = torch.nn.functional.gelu(enc.conv2(x)).permute(0, 2, 1).contiguous()
-        x = x + enc.embed_positions.weight[: x.shape[1]]
+        x = _stem(enc, features)
         for layer in enc.layers:
             x = layer(x, None)
             if isinstance(x, tuple):  # older transformers return (hidden_states, attn_weights)
                 x = x[0]
+        return enc.layer_norm(x)
+
+
+class _TailEncoderPass(torch.nn.Module):
+    """The encoder over the positions its features hold, each layer's queries also attending to a silence tail's
+    keys and values ``[layers, B, heads, T', head_dim]`` after them (`WhisperModel.encode_clips`)."""
+
+    def __init__(self, encoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, features: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor) -> torch.Tensor:
+        enc = self.encoder
+        x = _stem(enc, features)
+        for i, layer in enumerate(enc.layers):
+            x = _encoder_layer(layer, x, tail_k[i], tail_v[i])[0]
         return enc.layer_norm(x)
 
 

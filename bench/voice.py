@@ -178,9 +178,9 @@ def encoder_rtf(n: int = 8) -> tuple[float, float]:
             times.append(time.perf_counter() - t)
         return min(times)
 
-    model.encode(model.features(audios[:1]))  # warm-up
-    batched = best(lambda: model.encode(model.features(audios)))
-    single = best(lambda: [model.encode(model.features([a])) for a in audios])
+    model.encode_clips(audios[:1])  # warm-up
+    batched = best(lambda: model.encode_clips(audios))
+    single = best(lambda: [model.encode_clips([a]) for a in audios])
     return batched / seconds, single / seconds
 
 

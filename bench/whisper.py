@@ -9,6 +9,8 @@ transcribed alone, as a turn is at one session: log-mel features and the encoder
 (`WhisperModel.context_positions`), then the greedy decoder. Models, interleaved clip by clip:
 - `server`: what `rtserve serve` loads (`RTSERVE_WHISPER_DTYPE`, default bf16: the linear layers on 8-bit blocks for
   the packed kernel, `audio/whisper.py`);
+- `server, whole context computed`: the same model with every position of the context computed, where the server
+  computes the audio + 1 s and takes the rest from a run over silence (`WhisperModel.encode_clips`);
 - `fp32`: the same weights in fp32 with torch's own GEMMs (`RTSERVE_WHISPER_DTYPE=float32`), the exact reference.
 With `--floors`, the server's model also runs at those encoder-context floors (positions, 50 a second) in place of
 `MIN_CONTEXT_POSITIONS`: what a shorter context would save, and whether the decoder starts to loop.
@@ -62,11 +64,12 @@ def context_floor(positions: int | None):
         whisper.MIN_CONTEXT_POSITIONS = saved
 
 
-def transcribe(model, audio: np.ndarray, floor: int | None) -> tuple[str, float, float]:
-    """(text, encoder seconds incl. features, decoder seconds) for one clip."""
+def transcribe(model, audio: np.ndarray, floor: int | None, whole: bool = False) -> tuple[str, float, float]:
+    """(text, encoder seconds incl. features, decoder seconds) for one clip; `whole`: every position of the context
+    computed, no silence tail."""
     with context_floor(floor):
         t0 = time.perf_counter()
-        enc = model.encode(model.features([audio]))
+        enc = model.encode(model.features([audio])) if whole else model.encode_clips([audio])
         t1 = time.perf_counter()
         tokens = model.decode_greedy(enc, [model.max_tokens_for(len(audio))])[0]
         t2 = time.perf_counter()
@@ -98,7 +101,7 @@ def encoder_batches(model, data: list, sizes: list[int], rounds: int = 3) -> lis
             for b in sizes:
                 group = audios[start:start + b]
                 t0 = time.perf_counter()
-                model.encode(model.features(group))
+                model.encode_clips(group)
                 per_clip[b].append((time.perf_counter() - t0) / b)
     one = statistics.median(per_clip[sizes[0]])
     return [{"batch": b, "groups": len(per_clip[b]), "encoder_ms_per_clip": 1000 * statistics.median(per_clip[b]),
@@ -128,18 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     data = clips(args.limit)
     if batches and len(data) < max(batches):   # before any model runs
         ap.error(f"--batches {max(batches)} needs at least that many clips, got {len(data)} (--limit)")
-    models = {"server": (WhisperModel.load(dtype=default_dtype()), None),
-              "fp32": (WhisperModel.load(dtype=torch.float32), None)}
+    server = WhisperModel.load(dtype=default_dtype())
+    models = {"server": (server, None, False), "server, whole context computed": (server, None, True),
+              "fp32": (WhisperModel.load(dtype=torch.float32), None, False)}
     for f in floors:
-        models[f"server, floor {f}"] = (models["server"][0], f)
+        models[f"server, floor {f}"] = (server, f, False)
     print(f"rtserve bench whisper: {len(data)} clips, {args.threads} thread(s), CPU {kernels.packed_isa().name}, "
           f"models {', '.join(models)}", flush=True)
-    for model, floor in models.values():   # warm-up: first calls allocate and pick kernels
-        transcribe(model, data[0][2], floor)
+    for model, floor, whole in models.values():   # warm-up: first calls allocate and pick kernels
+        transcribe(model, data[0][2], floor, whole)
     results: dict[str, list] = {name: [] for name in models}
     for voice, ref, audio in data:
-        for name, (model, floor) in models.items():
-            text, enc_s, dec_s = transcribe(model, audio, floor)
+        for name, (model, floor, whole) in models.items():
+            text, enc_s, dec_s = transcribe(model, audio, floor, whole)
             results[name].append((voice, ref, text, enc_s, dec_s))
     summary = [summarize(name, rows) for name, rows in results.items()]
     voices = sorted(summary[0]["wer_by_voice"])

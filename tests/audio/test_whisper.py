@@ -191,6 +191,32 @@ def test_encoder_context_follows_the_audio(model):
     assert feats.shape == (2, 80, 1200)                         # the longest clip decides: 11 s + 1 s
     assert model.encode(feats).shape == (2, 600, 384)
     assert model.max_tokens_for(16000 * 3) == 46
+    # only the audio + 1 s is computed; the floor's further positions come from the silence tail
+    assert model.exact_positions(16000 * 2) == 150 and model.exact_positions(16000 * 8) == 450
+    assert model.encode_clips([np.zeros(16000 * 2, np.float32)]).shape == (1, 400, 384)
+    assert model.encode_clips([np.zeros(16000 * 3, np.float32), np.zeros(16000 * 11, np.float32)]).shape == \
+        (2, 600, 384)
+
+
+def test_silence_tail_stands_in_for_the_padding(model, clips):
+    """A short turn is encoded over its audio + 1 s only, attending to a silence run's keys and values past it
+    (`encode_clips`): its states agree with the whole context's pass, the transcripts are the same, and a clip that fills the floor is encoded exactly as before."""
+    for clip in clips.values():
+        exact = model.exact_positions(len(clip))
+        assert exact < model.context_positions(len(clip))
+        tail, whole = model.encode_clips([clip]).float(), model.encode(model.features([clip])).float()
+        cos = torch.nn.functional.cosine_similarity(tail[0, :exact], whole[0, :exact], dim=-1)
+        assert cos.mean() > 0.98, cos
+        texts = [model.detokenize(t).strip() for t in model.decode_greedy(torch.stack([tail[0], whole[0]]).to(
+            model.dtype), [model.max_tokens_for(len(clip))] * 2)]
+        assert texts[0] == texts[1] and jiwer.wer(REF, _norm(texts[0])) <= 0.2, texts
+    long = np.concatenate([clips["piper"], np.zeros(16000 * 8, np.float32)])
+    assert model.exact_positions(len(long)) >= model.context_positions(len(long))
+    assert torch.equal(model.encode_clips([long]), model.encode(model.features([long])))
+    # one tail per padding value (rounded), reused
+    kept = len(model._tails)
+    model.encode_clips([clips["piper"]])
+    assert len(model._tails) == kept
 
 
 @pytest.mark.slow
@@ -263,9 +289,12 @@ def test_traced_passes_agree_with_the_python_modules(model, clips, monkeypatch):
     plain = WhisperModel.load(dtype=torch.bfloat16)
     assert not isinstance(plain.encoder_pass, torch.jit.ScriptModule)
     long = np.concatenate([clips["espeak"], np.zeros(16000 * 11, np.float32)])
-    for audios in ([clips["piper"]], [clips["piper"], long]):
+    assert isinstance(model.tail_encoder_pass, torch.jit.ScriptModule)
+    for audios in ([clips["piper"]], [clips["piper"], long], [clips["piper"], clips["espeak"]]):
         feats = model.features(audios)
         torch.testing.assert_close(model.encode(feats).float(), plain.encode(feats).float(), atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(model.encode_clips(audios).float(), plain.encode_clips(audios).float(),
+                                   atol=1e-3, rtol=1e-3)
     enc_a, enc_b = (model.encode(model.features([a])) for a in (clips["piper"], long))
     assert enc_b.shape[1] > enc_a.shape[1]
     tokens = []
