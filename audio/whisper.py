@@ -377,10 +377,9 @@ class WhisperModel:
         """Features and encoder for clips, ``[B, context_positions(longest), d]``: the positions the longest clip's
         audio + 1 s fill are computed, attending to the rest of the context as silence (`_SilenceTail`); those further
         positions' outputs are the silence run's."""
-        clips = [np.asarray(a, dtype=np.float32)[:WINDOW_SAMPLES] for a in audios]
-        longest = max(len(c) for c in clips)
+        longest = max(len(a) for a in audios)  # both positions stop at Whisper's window, as `features` cuts
         exact, context = self.exact_positions(longest), self.context_positions(longest)
-        feats = self.features(clips, positions=exact)
+        feats = self.features(audios, positions=exact)
         if exact >= context:
             return self.encode(feats)
         # the padding frames hold each clip's floor: its loudest log-mel value - 8, normalized (the feature
@@ -730,9 +729,7 @@ class _EncoderPass(torch.nn.Module):
         enc = self.encoder
         x = _stem(enc, features)
         for layer in enc.layers:
-            x = layer(x, None)
-            if isinstance(x, tuple):  # older transformers return (hidden_states, attn_weights)
-                x = x[0]
+            x = _encoder_layer(layer, x)[0]
         return enc.layer_norm(x)
 
 

@@ -200,7 +200,8 @@ def test_encoder_context_follows_the_audio(model):
 
 def test_silence_tail_stands_in_for_the_padding(model, clips):
     """A short turn is encoded over its audio + 1 s only, attending to a silence run's keys and values past it
-    (`encode_clips`): its states agree with the whole context's pass, the transcripts are the same, and a clip that fills the floor is encoded exactly as before."""
+    (`encode_clips`): its states agree with the whole context's pass, the transcripts are the same, and a clip that
+    fills the floor is encoded exactly as before."""
     for clip in clips.values():
         exact = model.exact_positions(len(clip))
         assert exact < model.context_positions(len(clip))
