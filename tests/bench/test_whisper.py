@@ -13,13 +13,14 @@ def test_bench_whisper_reports_both_models(tmp_path, capsys):
     assert whisper.main(["--limit", "1", "--floors", "450", "--batches", "1,2", "--output", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| server |" in table and "| fp32 |" in table and "| server, floor 450 |" in table
+    assert "| server, whole context computed |" in table  # the encoder before its silence tail, as the baseline
     assert "| encoder batch |" in table
     result = json.loads(out.read_text())
     assert [r["batch"] for r in result["encoder_batches"]] == [1, 2]
     assert result["encoder_batches"][0]["vs_first"] == 1 and all(r["encoder_ms_per_clip"] > 0 and r["groups"] == 3
                                                                  for r in result["encoder_batches"])
     by_model = {s["model"]: s for s in result["summary"]}
-    assert set(by_model) == {"server", "fp32", "server, floor 450"}
+    assert set(by_model) == {"server", "server, whole context computed", "fp32", "server, floor 450"}
     for s in by_model.values():
         assert s["clips"] == 3 and set(s["wer_by_voice"]) == {"piper", "espeak"}   # 2 piper + 1 espeak
         assert s["wer"] <= 0.3 and s["loops"] == 0 and s["encoder_ms_p50"] > 0 and s["decoder_ms_p50"] > 0
