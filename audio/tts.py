@@ -207,6 +207,13 @@ class Synthesizer:
         f = parse_audio_format(fmt, "audio.output.format")
         return encode_audio(self.synthesize_at(text, f.rate, speed), f)
 
+    def phoneme_ids(self, text: str) -> list[list[int]]:
+        """The phoneme ids of each sentence of ``text``, with control characters read as spaces."""
+        text = _UNSPEAKABLE.sub(" ", text)
+        if not text.strip():
+            return []
+        return [self.voice.phonemes_to_ids(p) for p in self.voice.phonemize(text) if p]
+
     # -- the two halves of the graph (called by SpeechStream with the lock held)
 
     def _encode(self, ids: list[int], speed: float) -> np.ndarray:
@@ -278,8 +285,7 @@ class SpeechStream:
                 raise TTSError(f"text must be a string, got {type(self.text).__name__}")
             if not MIN_SPEED <= float(self.speed) <= MAX_SPEED:
                 raise TTSError(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}], got {self.speed}")
-            voice, text = synth.voice, _UNSPEAKABLE.sub(" ", self.text)
-            self._sentences = [voice.phonemes_to_ids(p) for p in voice.phonemize(text) if p] if text.strip() else []
+            self._sentences = synth.phoneme_ids(self.text)
         if self._z is None:
             if not self._sentences:
                 self.done = True

@@ -46,10 +46,13 @@ def test_speed_changes_duration(synth):
 def test_control_characters_are_read_as_spaces(synth):
     """espeak-ng takes a C string: a NUL (or any control character, or a lone surrogate) in a reply or an
     /v1/audio/speech input is spoken as a space, not a failed synthesis."""
-    plain = len(synth.synthesize("Hello world."))
+    # Piper samples phoneme durations, so lengths differ run to run (a CI run saw 19 712 against 16 384 samples):
+    # the phonemes are compared exactly, the audio only for being there.
+    plain = synth.phoneme_ids("Hello world.")
     for text in ("Hello\x00world.", "Hello\x1b world.", "Hello\ud800 world.", "Hello\x85world."):
-        assert abs(len(synth.synthesize(text)) - plain) < 0.2 * plain, repr(text)
-    assert len(synth.synthesize("\x00\x07")) == 0
+        assert synth.phoneme_ids(text) == plain, repr(text)
+        assert len(synth.synthesize(text)) > 0.5 * synth.sample_rate, repr(text)
+    assert synth.phoneme_ids("\x00\x07") == [] and len(synth.synthesize("\x00\x07")) == 0
 
 
 def test_session_output_formats(synth):
