@@ -76,8 +76,8 @@ class StreamResampler:
     (Kaiser-windowed sinc, linear phase), computed with numpy.
 
     Why not ``soxr.ResampleStream``: it hands its output over in blocks, holding back tens of milliseconds of a stream
-    at times (docs/benchmarks.md, "A streaming resampler that holds nothing back"), and that wait sits between a user's
-    last word and the VAD that hears the silence after it. This filter holds back only half its length
+    at times (docs/benchmarks-history.md, "A streaming resampler that holds nothing back"), and that wait sits between
+    a user's last word and the VAD that hears the silence after it. This filter holds back only half its length
     (``lookahead_ms``: a few ms), and its output sample m is the input at time m / dst, as the one-shot ``resample``
     aligns it. ``flush()`` returns the tail (the input followed by silence) and resets."""
 

@@ -139,7 +139,8 @@ class Transcriber:
         # Intra-op threads ($RTSERVE_WHISPER_THREADS, default one): beside the LLM engine and the TTS threads on a
         # small CPU, a Whisper turn with two threads stalls at every parallel op waiting for the other thread; and a
         # second OpenMP team beside the engine's (more OpenMP threads than CPUs) makes libgomp throttle every team's
-        # spin-waits, the engine's included, even while this one is idle (docs/benchmarks.md, "Tried this session").
+        # spin-waits, the engine's included, even while this one is idle (docs/benchmarks-history.md, Voice, "Tried
+        # this session").
         self.threads = settings.integer("RTSERVE_WHISPER_THREADS") if threads is None else threads
         self.max_batch = max_batch
         # After an idle wake-up, wait this long for company. No wait by default: an encoder pass costs the same per clip

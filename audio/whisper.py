@@ -267,8 +267,8 @@ class WhisperModel:
     def _trace_graphs(self) -> None:
         """Replace both passes with TorchScript traces of themselves (the same ops, shapes left dynamic). Why: a traced
         graph runs all its ops in C++ with the GIL released, where the Python modules take the GIL back after every
-        op, and waits for it whenever the event loop, the VAD or the engine holds it (docs/benchmarks.md, "Whisper's
-        passes as traced graphs"). On any failure the Python passes stay."""
+        op, and waits for it whenever the event loop, the VAD or the engine holds it (docs/benchmarks-history.md,
+        "Whisper's passes as traced graphs"). On any failure the Python passes stay."""
         import warnings
         try:
             feats = torch.zeros(1, self.model.config.num_mel_bins, 2 * MIN_CONTEXT_POSITIONS, dtype=self.encoder_dtype)

@@ -151,6 +151,8 @@ async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_m
                     raise RuntimeError("no reply within 2 minutes of audio")
             await listener
             turn = {k: v - end_of_speech for k, v in marks.items()}
+            # the same monotonic clock as the server's trace lines (--log-level debug) on this host: lines them up
+            turn["end_of_speech_clock"] = end_of_speech
             if "audio" in marks and "stopped" in marks:
                 turn["after_stopped"] = marks["audio"] - marks["stopped"]
             if "audio" in marks:

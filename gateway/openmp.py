@@ -4,7 +4,7 @@ The engine steps on two intra-op threads. Between two parallel regions (the Pyth
 steps) libgomp's idle worker spins for GOMP_SPINCOUNT iterations, 300000 by default, before it sleeps. Beside the
 audio stage (Whisper, piper, Smart Turn) that spinning takes a CPU they need whenever the engine's main thread is in
 Python or descheduled. 10000 spins still bridge the gaps inside a step, so a step is not slower for it, and the
-worker sleeps soon after the engine does. docs/benchmarks.md ("OpenMP spin count") has the A/B behind the value.
+worker sleeps soon after the engine does. docs/benchmarks-history.md ("OpenMP spin count") has the A/B behind the value.
 """
 from __future__ import annotations
 

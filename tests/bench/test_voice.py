@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+import time
 
 import pytest
 
@@ -181,6 +182,7 @@ def test_bench_voice_rounds_against_the_server(server, tmp_path, capsys):
     for r in doc["runs"]:
         (t,) = r["turns"]
         assert 0 < t["stopped"] <= t["transcript"] and t["text"] > 0 and t["audio"] > 0
+        assert 0 < t["end_of_speech_clock"] < time.perf_counter()  # the clock the server's trace lines use
     (summary,) = doc["summary"]
     assert summary["rounds"] == [1, 2] and len(summary["per_round"]["first audio p50"]) == 2
     assert summary["first_audio_p50_ratio"] == 1.0
