@@ -77,6 +77,7 @@ INSTRUCTIONS = "You are a concise voice assistant. Answer in one short sentence.
 RATE = 16_000
 CHUNK_MS = 40
 AS_HEARD = False  # --as-heard: replay without conditioning the text scores on the last word's end
+VOICES = ("piper", "espeak")  # --voice: piper's joe-us (its own noise on every clip), or espeak-ng's en-us
 SCORED_FROM_MS = 100  # pauses at least this long are scored (shorter ones are gaps between words)
 
 
@@ -149,12 +150,13 @@ class Clip:
     pauses: list[Pause] = field(default_factory=list)
 
 
-def synthesize(kind: str, parts: tuple[str, ...], pause_ms: int) -> tuple[np.ndarray, float]:
-    from audio.speech import piper_speech, speech_bounds_ms
+def synthesize(kind: str, parts: tuple[str, ...], pause_ms: int, speaker: str = "piper") -> tuple[np.ndarray, float]:
+    from audio.speech import espeak_speech, piper_speech, speech_bounds_ms
 
     lead = np.zeros(RATE * 300 // 1000, np.float32)
     tail = np.zeros(RATE * 1500 // 1000, np.float32)
-    voice = [piper_speech(t) for t in parts]
+    speak = piper_speech if speaker == "piper" else espeak_speech
+    voice = [speak(t) for t in parts]
     if kind == "complete":
         _, off = speech_bounds_ms(voice[0])
         return np.concatenate([lead, voice[0], tail]), 300 + off
@@ -325,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scores", metavar="FILE", help="report from scores dumped earlier instead of running the models")
     ap.add_argument("--as-heard", action="store_true",
                     help="text scores not conditioned on the last word's end (the rule before at_word_end)")
+    ap.add_argument("--voice", choices=VOICES, default="piper",
+                    help="who speaks the utterances: piper's joe-us (default) or espeak-ng's en-us (flat, robotic "
+                         "phrase endings: a voice the rule was not tuned on)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     global AS_HEARD
     AS_HEARD = args.as_heard
@@ -333,15 +338,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     complete = COMPLETE[:args.limit or None]
     paused = PAUSED[:args.limit or None]
-    print(f"rtserve bench turn: {len(complete)} complete, {len(paused)} paused (300-700 ms), piper joe-us, "
+    speaker = {"piper": "piper joe-us", "espeak": "espeak-ng en-us"}[args.voice]
+    print(f"rtserve bench turn: {len(complete)} complete, {len(paused)} paused (300-700 ms), {speaker}, "
           f"{os.cpu_count()} CPUs", flush=True)
     clips = []
     for i, text in enumerate(complete):
-        audio, end = synthesize("complete", (text,), 0)
+        audio, end = synthesize("complete", (text,), 0, args.voice)
         clips.append(("complete", i, text, audio, end))
     for i, (head, rest) in enumerate(paused):
         pause_ms = 300 + (i * 400 // max(1, len(paused) - 1))
-        audio, end = synthesize("paused", (head, rest), pause_ms)
+        audio, end = synthesize("paused", (head, rest), pause_ms, args.voice)
         clips.append(("paused", i, f"{head} [{pause_ms} ms] {rest}", audio, end))
     scored = score(clips)
     if args.dump:
