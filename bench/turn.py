@@ -1,10 +1,11 @@
 """End-of-turn benchmark: how often each rule ends a turn early on complete utterances, how often it ends one falsely
 on utterances paused at an incomplete point, and how soon after the end of speech it decides.
 
-    rtserve bench turn [--limit N] [--dump FILE]     (runs the models)
-    rtserve bench turn --scores FILE [--as-heard]    (replays a dump under the rule as the code has it now)
+    rtserve bench turn [--limit N] [--dump FILE] [--voice espeak]   (runs the models)
+    rtserve bench turn --scores FILE [--as-heard]                   (replays a dump under the rule as the code has it now)
 
-Two sets, synthesized now with piper (joe-us, its own noise on every clip; nothing recorded): COMPLETE questions and
+Two sets, synthesized now with piper (joe-us, its own noise on every clip; nothing recorded), or with `--voice espeak`
+espeak-ng's en-us (flat phrase endings, a voice the rule was not tuned on): COMPLETE questions and
 statements, and PAUSED utterances cut at an incomplete point ("of", "and", "the", "um", mid-clause) by a 300-700 ms
 pause, then continued. Each clip runs through the server's own pieces, in process: the silero VAD (`StreamingVAD`,
 its pauses as `AudioInput` reports them), and at each pause of SCORED_FROM_MS or more, Whisper on the turn so far, the
