@@ -20,9 +20,7 @@ audio signal only moves a borderline text score. The joint text score also vetoe
 model expects more after ("I am feeling tired today."), or a misheard word ("who wrote Romito and Juliet", no "?").
 So a second way ends a turn: both signals agree that a sentence can end here, P(sentence end) × Smart Turn, where
 neither alone suffices (each fails on the other's cases: Whisper's invented endings on cut utterances sound unfinished,
-and "What is the capital of" never reads as a sentence end). It counts at half weight (AGREEMENT_WEIGHT): the two
-errors are not independent, as a product takes them to be. In a flat voice a phrase cut after "about a" sounds finished
-and Whisper finishes it ("Tell me a story about A."), both at once.
+and "What is the capital of" never reads as a sentence end).
 
 A turn that ended early and goes on within `REPAIR_GRACE_MS` is repaired (audio_in.py, session.py): the reply is
 cancelled and the new speech joins the same user item.
@@ -73,7 +71,6 @@ EAGERNESS = {"high": Eagerness(100, 0.1, 0.05), "medium": Eagerness(150, 0.15, 0
              "auto": Eagerness(150, 0.15, 0.05), "low": Eagerness(250, 0.5, 0.1)}
 TEXT_WEIGHT = 0.8  # the engine's signal's share of the combined probability; Smart Turn has the rest
 TEXT_VETO = 0.05  # below this P(end of turn | transcript) no early end, whatever the audio says
-AGREEMENT_WEIGHT = 0.5  # the agreement term's share: P(sentence end) × Smart Turn, halved (see the module's docstring)
 WORD_END_MIN = 0.1  # at_word_end raises a probability tenfold at most, when the model is sure the word goes on
 REPAIR_GRACE_MS = 1000  # speech resuming this soon after an early end's segment end continues the same turn
 
@@ -114,8 +111,8 @@ def at_word_end(p: float | None, p_word_end: float | None) -> float | None:
 def combine(p_text: float | None, p_audio: float | None, p_sentence_end: float | None = None) -> float:
     """P(the turn is over) from both signals: the text score weighted with the audio's, 0 without the text signal
     (audio alone ends no turn early: synthetic and flat voices fool it) or when the text vetoes; or, if higher, the
-    two signals' agreement, P(sentence end) × P(audio complete) at AGREEMENT_WEIGHT."""
-    agree = AGREEMENT_WEIGHT * p_sentence_end * p_audio if p_sentence_end is not None and p_audio is not None else 0.0
+    two signals' agreement, P(sentence end) × P(audio complete)."""
+    agree = p_sentence_end * p_audio if p_sentence_end is not None and p_audio is not None else 0.0
     if p_text is None or p_text < TEXT_VETO:
         return agree
     if p_audio is None:
