@@ -220,6 +220,8 @@ def server_batches(url: str) -> str:
     mean_rows = float(dec.get("rows", 0)) / max(1.0, float(dec.get("steps", 0)))
     secs = dict(re.findall(r'rtserve_whisper_(encoder|decoder)_seconds_total ([0-9.e+-]+)', text))
     clips = max(1.0, sum(int(s) * float(n) for s, n in sizes))
+    drafts = dict(re.findall(r'rtserve_spec_decode_num_(draft|accepted)_tokens(?:_total)? ([0-9.e+-]+)', text))
+    verified = float(drafts.get("draft", 0))
     return (", ".join(f"{s}×{int(float(n))}" for s, n in sizes) or "n/a") + \
         f"; decoder rows per step {mean_rows:.2f} over {float(dec.get('steps', 0)):.0f} steps" + \
         f"; speculative transcriptions used/started: {spec.get('used', '?')}/{spec.get('started', '?')}" + \
@@ -232,7 +234,8 @@ def server_batches(url: str) -> str:
         f"; TTS clauses {float(tts.get('requests_total', 0)):.0f}, mean " + \
         f"{1000 * float(tts.get('seconds_total', 0)) / max(1.0, float(tts.get('requests_total', 0))):.0f} ms, " + \
         f"max {1000 * float(tts.get('max_seconds', 0)):.0f} ms, max to first chunk " + \
-        f"{1000 * float(tts.get('max_first_chunk_seconds', 0)):.0f} ms"
+        f"{1000 * float(tts.get('max_first_chunk_seconds', 0)):.0f} ms" + \
+        (f"; draft tokens accepted/verified {float(drafts.get('accepted', 0)):.0f}/{verified:.0f}" if verified else "")
 
 
 @dataclass(slots=True)

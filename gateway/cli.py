@@ -45,6 +45,12 @@ BENCHMARKS = {
                        "tokenizer: grammar compile time and token-mask time per decode step",
 }
 DTYPES = ("auto", "bfloat16", "float32")
+# `rtserve serve`'s speculative decoding on the CPU: n-gram drafts from the request's own tokens. A spoken reply's first
+# words often quote the question ("The boiling point of water is ..."), so its first piece is decoded in fewer steps,
+# and on the CPU a decode step verifies a few more rows for little more than one (docs/benchmarks.md, Voice). Off on a
+# GPU, where it is unmeasured and would leave the captured decode graphs.
+SERVE_SPECULATIVE_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                            '"prompt_lookup_min": 2}')
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # CLI flag -> engine argument; only the flags a user gives are passed, so the engine's defaults stay the defaults
 ENGINE_FLAGS = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -157,7 +163,8 @@ def serve_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
                     help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                          '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts tokens from each request\'s own '
                          'prompt and output (n-gram prompt lookup) and verifies them in the same batched step; '
-                         'faster where replies quote their prompt. Default: off')
+                         'faster where replies quote their prompt. Default: that config on the CPU, none on a GPU; '
+                         '"none" turns it off')
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV cache of prompt prefixes seen before (a session's earlier turns, shared "
                          "instructions)")
@@ -239,6 +246,12 @@ def engine_args(ns: argparse.Namespace) -> dict:
     if ns.quantization is None:   # the embedded model is a Q4_1 GGUF: its own blocks make small-batch decode fast
         ns.quantization = "gguf" if ns.model is None and ns.device in (None, "cpu") else "none"
     args["quantization"] = None if ns.quantization == "none" else ns.quantization
+    if ns.speculative_config is None:
+        ns.speculative_config = SERVE_SPECULATIVE_CONFIG if ns.device in (None, "cpu") else "none"
+    if ns.speculative_config.strip().lower() == "none":
+        args.pop("speculative_config", None)
+    else:
+        args["speculative_config"] = ns.speculative_config
     return args
 
 

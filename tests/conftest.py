@@ -114,8 +114,12 @@ def server():
     from gateway.app import Settings, create_app
     from gateway.realtime.session import SessionLimits
 
-    # the server's production configuration (`rtserve serve` defaults): bf16 on the embedded GGUF's own 4-bit blocks
-    engine = AsyncEngine(kv_cache_memory="512MiB", max_num_seqs=64, dtype="bfloat16", quantization="gguf")
+    from gateway.cli import SERVE_SPECULATIVE_CONFIG
+
+    # the server's production configuration (`rtserve serve` defaults): bf16 on the embedded GGUF's own 4-bit blocks,
+    # n-gram drafts
+    engine = AsyncEngine(kv_cache_memory="512MiB", max_num_seqs=64, dtype="bfloat16", quantization="gguf",
+                         speculative_config=SERVE_SPECULATIVE_CONFIG)
     open_app = create_app(Settings(), engine=engine)
     keyed_app = create_app(Settings(api_key=API_KEY), engine=engine)
     tight_app = create_app(Settings(limits=SessionLimits(send_queue_max=16, send_timeout_s=5)), engine=engine)

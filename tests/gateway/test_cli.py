@@ -28,7 +28,8 @@ def test_cli_flags_map_to_engine_args(capsys):
     assert cli.engine_args(ns) == {"kv_cache_memory": "2GiB", "max_num_seqs": 8, "enable_prefix_caching": False,
                                    "dtype": "bfloat16",   # the server's default; the engine API's stays float32
                                    "quantization": "gguf",   # the embedded model is a Q4_1 GGUF: decode on its blocks
-                                   "max_itl_ms": 200.0, "long_prefill_token_threshold": 128}   # the server's defaults
+                                   "max_itl_ms": 200.0, "long_prefill_token_threshold": 128,   # the server's defaults
+                                   "speculative_config": cli.SERVE_SPECULATIVE_CONFIG}   # n-gram drafts on the CPU
     off = cli.engine_args(cli.serve_parser().parse_args(["--max-itl-ms", "0", "--long-prefill-token-threshold", "0",
                                                          "--no-share-inflight-prefixes"]))
     assert (off["max_itl_ms"], off["long_prefill_token_threshold"], off["share_inflight_prefixes"]) == (None, 0, False)
@@ -37,6 +38,10 @@ def test_cli_flags_map_to_engine_args(capsys):
     assert "enforce_eager" not in cli.engine_args(cli.serve_parser().parse_args([]))
     assert cli.engine_args(cli.serve_parser().parse_args(["--quantization", "none"]))["quantization"] is None
     assert cli.engine_args(cli.serve_parser().parse_args(["--model", "/m/hf-dir"]))["quantization"] is None
+    for argv in (["--speculative-config", "none"], ["--device", "cuda"]):   # off when asked, and off on a GPU
+        assert "speculative_config" not in cli.engine_args(cli.serve_parser().parse_args(argv))
+    mine = '{"method": "ngram", "num_speculative_tokens": 2}'
+    assert cli.engine_args(cli.serve_parser().parse_args(["--speculative-config", mine]))["speculative_config"] == mine
     assert (ns.port, ns.api_key, ns.host) == (9000, "k", "127.0.0.1")
     assert cli.main([]) == 2 and "serve" in capsys.readouterr().out
 
