@@ -78,7 +78,7 @@ INSTRUCTIONS = "You are a concise voice assistant. Answer in one short sentence.
 RATE = 16_000
 CHUNK_MS = 40
 AS_HEARD = False  # --as-heard: replay without conditioning the text scores on the last word's end
-VOICES = ("piper", "espeak")  # --voice: piper's joe-us (its own noise on every clip), or espeak-ng's en-us
+VOICES = {"piper": "piper joe-us", "espeak": "espeak-ng en-us"}  # --voice: who speaks the utterances
 SCORED_FROM_MS = 100  # pauses at least this long are scored (shorter ones are gaps between words)
 
 
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scores", metavar="FILE", help="report from scores dumped earlier instead of running the models")
     ap.add_argument("--as-heard", action="store_true",
                     help="text scores not conditioned on the last word's end (the rule before at_word_end)")
-    ap.add_argument("--voice", choices=VOICES, default="piper",
+    ap.add_argument("--voice", choices=list(VOICES), default="piper",
                     help="who speaks the utterances: piper's joe-us (default) or espeak-ng's en-us (flat, robotic "
                          "phrase endings: a voice the rule was not tuned on)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
@@ -339,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     complete = COMPLETE[:args.limit or None]
     paused = PAUSED[:args.limit or None]
-    speaker = {"piper": "piper joe-us", "espeak": "espeak-ng en-us"}[args.voice]
-    print(f"rtserve bench turn: {len(complete)} complete, {len(paused)} paused (300-700 ms), {speaker}, "
+    print(f"rtserve bench turn: {len(complete)} complete, {len(paused)} paused (300-700 ms), {VOICES[args.voice]}, "
           f"{os.cpu_count()} CPUs", flush=True)
     clips = []
     for i, text in enumerate(complete):

@@ -112,9 +112,8 @@ def _serve(engine, apps: dict[str, object]):
 def server():
     from engine import AsyncEngine
     from gateway.app import Settings, create_app
-    from gateway.realtime.session import SessionLimits
-
     from gateway.cli import SERVE_SPECULATIVE_CONFIG
+    from gateway.realtime.session import SessionLimits
 
     # the server's production configuration (`rtserve serve` defaults): bf16 on the embedded GGUF's own 4-bit blocks,
     # n-gram drafts
