@@ -28,6 +28,12 @@ SEMANTIC_EAGERNESS_MS = {"low": 1200, "medium": 800, "high": 500, "auto": 800}
 # silence too. With noise less than TAIL_DB under the voice no window qualifies, and silero's timing stands.
 TAIL_DB = 40.0
 MAX_TAIL_MS = 160
+# The same quiet tail is a pause already (`StreamingVAD.pause`, unconfirmed) once it has lasted this long, two windows,
+# before silero turns to silence: the work a pause starts (the transcription, the reply's prefill and its end-of-turn
+# scores) starts that much sooner, and silero's silence, which only can end a turn, takes it over at the same start.
+# A quiet stretch inside a word (a stop's closure) starts work that is dropped when the voice goes on; also waiting for
+# silero's first doubt (its probability under 0.95) dropped most of those, and most of the gain (docs/benchmarks.md).
+QUIET_PAUSE_MS = 64
 
 _session = None
 _session_lock = threading.Lock()
@@ -78,6 +84,7 @@ class Pause:
     speech_start_ms: int  # where the open segment starts (prefix padding included)
     silence_start_ms: int  # where the silence began (the segment's end if the silence holds)
     silence_ms: float  # how long the silence has lasted so far
+    confirmed: bool = True  # silero hears silence; False: only the voice's energy has fallen (QUIET_PAUSE_MS)
 
 
 @dataclass(slots=True)
@@ -118,11 +125,19 @@ class StreamingVAD:
 
     @property
     def pause(self) -> Pause | None:
-        """The trailing silence of the open speech segment, or None (no speech, or the voice is on)."""
-        if self._speech_start is None or self._silence_start is None:
+        """The trailing silence of the open speech segment, or None (no speech, or the voice is on): silero's, or
+        before silero turns to silence, a quiet tail (TAIL_DB) of at least QUIET_PAUSE_MS, unconfirmed. Its start is
+        where silero's silence will start if silero follows within MAX_TAIL_MS."""
+        if self._speech_start is None:
             return None
-        return Pause(self._ms(self._speech_start), self._ms(self._silence_start),
-                     (self._pos - self._silence_start) * _MS_PER_SAMPLE)
+        if self._silence_start is not None:
+            return Pause(self._ms(self._speech_start), self._ms(self._silence_start),
+                         (self._pos - self._silence_start) * _MS_PER_SAMPLE)
+        if self._quiet_since is not None and self._pos - self._quiet_since >= QUIET_PAUSE_MS * SAMPLE_RATE / 1000:
+            start = max(self._quiet_since, self._speech_start)
+            return Pause(self._ms(self._speech_start), self._ms(start), (self._pos - start) * _MS_PER_SAMPLE,
+                         confirmed=False)
+        return None
 
     def reset(self, position_ms: int | None = None) -> None:
         """Forget state (e.g. after ``input_audio_buffer.clear``); keeps or moves the timeline."""

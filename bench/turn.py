@@ -87,6 +87,7 @@ class Pause:
     silence_start_ms: int
     silence_ms: float  # how long the VAD's silence lasted (the clip's next speech, or its end)
     seen_ms: float = 0.0  # silence the VAD had counted when it first reported the pause (silero's lag shows here)
+    confirmed_ms: float = 0.0  # ... when silero heard the silence (a quiet tail is reported before: audio.vad.QUIET_PAUSE_MS)
     transcript: str = ""
     eot_logprobs: list[float] | None = None  # the prefill's logprobs at end_of_turn_positions (punctuation.., token)
     p_sentence_end: float | None = None  # P(a sentence ends after the words), from the same prefill's top logprobs
@@ -170,9 +171,9 @@ def synthesize(kind: str, parts: tuple[str, ...], pause_ms: int, speaker: str = 
     return np.concatenate([lead, first, gap, second, tail]), 300 + off1
 
 
-def vad_pauses(audio: np.ndarray) -> list[tuple[int, float, float, np.ndarray]]:
+def vad_pauses(audio: np.ndarray) -> list[tuple[int, float, float, float, np.ndarray]]:
     """The pauses inside the first speech segment as the server's VAD sees them: (silence start, silence length,
-    silence counted when first seen, the turn's audio up to the silence)."""
+    silence counted when first seen, silence counted when silero confirmed it, the turn's audio up to the silence)."""
     from audio.vad import StreamingVAD
     from gateway.realtime.speculation import SPECULATE_AFTER_MS
 
@@ -183,12 +184,14 @@ def vad_pauses(audio: np.ndarray) -> list[tuple[int, float, float, np.ndarray]]:
         vad.feed(audio[i:i + step])
         pause = vad.pause
         if pause is not None:
-            seen = found.setdefault((pause.speech_start_ms, pause.silence_start_ms), [pause.silence_ms, 0.0])
+            seen = found.setdefault((pause.speech_start_ms, pause.silence_start_ms), [pause.silence_ms, 0.0, None])
             seen[1] = pause.silence_ms
             if seen[0] < SPECULATE_AFTER_MS:
                 seen[0] = pause.silence_ms
-    return [(e, ms, first, audio[int(s * RATE / 1000):int(e * RATE / 1000)])
-            for (s, e), (first, ms) in sorted(found.items()) if ms >= 60]
+            if pause.confirmed and seen[2] is None:
+                seen[2] = pause.silence_ms
+    return [(e, ms, first, ms if confirmed is None else confirmed, audio[int(s * RATE / 1000):int(e * RATE / 1000)])
+            for (s, e), (first, ms, confirmed) in sorted(found.items()) if ms >= 60]
 
 
 def score(clips: list[tuple[str, int, str, np.ndarray, float]]) -> list[Clip]:
@@ -208,8 +211,8 @@ def score(clips: list[tuple[str, int, str, np.ndarray, float]]) -> list[Clip]:
     out = []
     for kind, index, text, audio, end_ms in clips:
         clip = Clip(kind, index, text, end_ms)
-        for silence_start, silence_ms, seen_ms, turn in vad_pauses(audio):
-            pause = Pause(silence_start, silence_ms, seen_ms)
+        for silence_start, silence_ms, seen_ms, confirmed_ms, turn in vad_pauses(audio):
+            pause = Pause(silence_start, silence_ms, seen_ms, confirmed_ms)
             clip.pauses.append(pause)
             if silence_ms < SCORED_FROM_MS:  # a gap between words: no rule ends a turn in it
                 continue
@@ -267,7 +270,7 @@ def decide(clip: Clip, rule: str, policy=None, window_ms: int | None = None) -> 
         if rule != "fixed 500 ms" and p.scored:
             at = early_end_ms(probability(p, rule), policy, window)
             if at is not None:
-                at = max(at, p.ready_ms(rule, policy))
+                at = max(at, p.ready_ms(rule, policy), p.confirmed_ms)  # only silero's silence ends a turn
                 if at < min(p.silence_ms, window):
                     return i, "early", p.silence_start_ms + at - clip.end_of_speech_ms
         if p.silence_ms >= window or i == len(clip.pauses) - 1:

@@ -273,8 +273,8 @@ class AudioInput:
             return []
         span = (pause.speech_start_ms, pause.silence_start_ms)
         policy = self.policy
-        if span == self._reported_pause:
-            if policy is not None and pause.silence_ms >= policy.min_silence_ms and (
+        if span == self._reported_pause:  # held: an early end needs silero's silence (not only a quiet tail)
+            if policy is not None and pause.confirmed and pause.silence_ms >= policy.min_silence_ms and (
                     self._held_pause is None or self._held_pause[0] != span or
                     pause.silence_ms >= self._held_pause[1] + RECHECK_MS):
                 self._held_pause = (span, pause.silence_ms)
@@ -292,7 +292,7 @@ class AudioInput:
         async def op() -> None:
             vad = self.vad
             pause = vad.pause if vad is not None else None
-            if pause is None or (pause.speech_start_ms, pause.silence_start_ms) != span:
+            if pause is None or not pause.confirmed or (pause.speech_start_ms, pause.silence_start_ms) != span:
                 return
             ev = vad.force_stop()
             self._reported_pause = self._held_pause = None

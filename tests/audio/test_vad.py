@@ -139,3 +139,27 @@ def test_vad_end_under_louder_noise_keeps_silero_timing():
     ev = _feed(StreamingVAD(), clip, 512)
     assert [e.type for e in ev] == ["speech_started", "speech_stopped"]
     assert 0 <= ev[1].audio_end_ms - end <= TOL_MS, (ev, end)
+
+
+def test_quiet_tail_reports_the_pause_before_silero():
+    """A voice that stops is a pause (unconfirmed) once QUIET_PAUSE_MS of its quiet tail are in, before silero turns
+    to silence; the pause silero then confirms starts at the same sample, so work started on the first is kept."""
+    sooner = []
+    for speech in (steady_piper_speech("How many legs does a spider have?"), espeak_speech("tell me a short story")):
+        clip, _, end = _place(speech, 300, 1000)
+        vad = StreamingVAD(silence_duration_ms=800)
+        first = confirmed = None
+        for i in range(0, len(clip), 512):
+            vad.feed(clip[i : i + 512])
+            pause = vad.pause
+            if pause is None or i < end * 16:
+                continue
+            first = first or (vad.position_ms, pause)
+            if pause.confirmed:
+                confirmed = (vad.position_ms, pause)
+                break
+        assert confirmed is not None
+        assert first[1].silence_start_ms == confirmed[1].silence_start_ms
+        assert abs(first[1].silence_start_ms - end) <= 40, (first, end)
+        sooner.append(confirmed[0] - first[0])
+    assert max(sooner) >= 32, sooner
