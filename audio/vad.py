@@ -130,14 +130,12 @@ class StreamingVAD:
         where silero's silence will start if silero follows within MAX_TAIL_MS."""
         if self._speech_start is None:
             return None
-        if self._silence_start is not None:
-            return Pause(self._ms(self._speech_start), self._ms(self._silence_start),
-                         (self._pos - self._silence_start) * _MS_PER_SAMPLE)
-        if self._quiet_since is not None and self._pos - self._quiet_since >= QUIET_PAUSE_MS * SAMPLE_RATE / 1000:
-            start = max(self._quiet_since, self._speech_start)
-            return Pause(self._ms(self._speech_start), self._ms(start), (self._pos - start) * _MS_PER_SAMPLE,
-                         confirmed=False)
-        return None
+        start, confirmed = self._silence_start, True
+        if start is None:
+            if self._quiet_since is None or self._pos - self._quiet_since < QUIET_PAUSE_MS * SAMPLE_RATE / 1000:
+                return None
+            start, confirmed = self._quiet_since, False  # (set inside the segment: never before its start)
+        return Pause(self._ms(self._speech_start), self._ms(start), (self._pos - start) * _MS_PER_SAMPLE, confirmed)
 
     def reset(self, position_ms: int | None = None) -> None:
         """Forget state (e.g. after ``input_audio_buffer.clear``); keeps or moves the timeline."""
