@@ -87,7 +87,8 @@ class Pause:
     silence_start_ms: int
     silence_ms: float  # how long the VAD's silence lasted (the clip's next speech, or its end)
     seen_ms: float = 0.0  # silence the VAD had counted when it first reported the pause (silero's lag shows here)
-    confirmed_ms: float = 0.0  # ... when silero heard the silence (a quiet tail is reported before: audio.vad.QUIET_PAUSE_MS)
+    # ... when silero heard the silence (a quiet tail is reported before it: audio.vad.QUIET_PAUSE_MS)
+    confirmed_ms: float = 0.0
     transcript: str = ""
     eot_logprobs: list[float] | None = None  # the prefill's logprobs at end_of_turn_positions (punctuation.., token)
     p_sentence_end: float | None = None  # P(a sentence ends after the words), from the same prefill's top logprobs

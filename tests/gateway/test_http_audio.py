@@ -249,7 +249,8 @@ async def test_uploads_share_whisper_with_live_voice_sessions(server):
     for raw in voices:
         await raw.ws.close()
     after = await settled(server)
-    new = {k: after["transcriber"][k] - base["transcriber"][k] for k in ("requests", "completed", "cancelled", "failed")}
+    new = {k: after["transcriber"][k] - base["transcriber"][k]
+           for k in ("requests", "completed", "cancelled", "failed")}
     # nothing is left in flight: the uploads and the turns were transcribed, and a transcription started in a pause the
     # voice went on after (a quiet stretch inside a word, audio.vad.QUIET_PAUSE_MS) was cancelled
     assert new["requests"] == new["completed"] + new["cancelled"] and new["failed"] == 0, new
