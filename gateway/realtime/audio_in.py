@@ -336,15 +336,18 @@ class AudioInput:
         self.speech_item_id = p.new_id("item")
         self.idle_anchor_ms = None
         pad = self.vad.prefix_padding_ms if self.vad is not None else 0
-        if early is not None and ev.audio_start_ms + pad - early.end_ms <= turn_detection.REPAIR_GRACE_MS:
+        repaired = early is not None and ev.audio_start_ms + pad - early.end_ms <= turn_detection.REPAIR_GRACE_MS
+        if repaired:
             # the user went on: the early end was false; this speech continues the same item
             self.joining, self.speech_item_id = early, early.item.id
             task = self.transcripts.pop(early.item.id, None)
             if task is not None:
                 task.cancel()
-            self.events.repair(early.item)
+        # speech_started first, as at a barge-in: then the cancelled reply's events
         self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": ev.audio_start_ms,
                    "item_id": self.speech_item_id})
+        if repaired:
+            self.events.repair(early.item)
         self.events.speech_started(bool(self.turn and self.turn.get("interrupt_response", True)))
 
     def _speech_stopped(self, ev, seg, early: bool = False) -> None:

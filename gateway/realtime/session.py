@@ -68,6 +68,9 @@ class RealtimeSession:
         self.config = sc.default_session(self.id, hs.model or engine.model_name)
         self.conversation = Conversation()
         self.active: ActiveResponse | None = None
+        # a cancelled reply to a repaired turn, and that turn's item: the reply's items leave the conversation once
+        # its response.done is out (before it, its done events still name them)
+        self._repaired: tuple[ActiveResponse, Item] | None = None
         self.history = PromptHistory()  # the append-only prompt state (last prompt + its answer)
         self.audio = audio
         self.audio_in: AudioInput | None = None  # created on the first audio input (loads nothing before)
@@ -428,9 +431,18 @@ class RealtimeSession:
 
     def repair(self, item: Item) -> None:
         """A turn ended early, and the user went on: the reply to it stops at once (as a barge-in) and leaves the
-        conversation, so the turn, once its speech is joined to `item`, is answered afresh as a whole."""
+        conversation, so the turn, once its speech is joined to `item`, is answered afresh as a whole. Its items are
+        deleted after its response.done: clients take the cancelled response's done events as updates of its items,
+        and would add back an item those name after its deletion."""
         self.metrics.turn_repairs.inc()
         self.cancel_response("turn_detected")
+        if self.active is not None:  # its task sends response.done
+            self._repaired = (self.active, item)
+        else:
+            self._drop_reply(item)
+
+    def _drop_reply(self, item: Item) -> None:
+        """Delete every item after `item` but user ones: the reply to a repaired turn."""
         if item.id not in self.conversation:
             return
         items = self.conversation.items
@@ -509,6 +521,9 @@ class RealtimeSession:
             self.audio_in.response_finished(resp.audio_ms)
         self.active = None
         self.responses.send_done(resp)
+        if self._repaired is not None and self._repaired[0] is resp:
+            item, self._repaired = self._repaired[1], None
+            self._drop_reply(item)
 
     # ------------------------------------------------------------------------------------------ helpers
     def audio_input(self) -> AudioInput:

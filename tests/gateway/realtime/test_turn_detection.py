@@ -209,6 +209,12 @@ async def test_speech_after_an_early_end_repairs_the_same_turn(server):
     assert len(added_users) == 1  # no second user item
     assert {e["item_id"] for e in events if e["type"] == "conversation.item.deleted"} == \
         {item["id"] for item in cancelled["output"]}
+    # as at a barge-in: speech_started, the cancelled reply's done events, and only then its items leave (a client
+    # takes those done events as updates of the items they name)
+    types = [e["type"] for e in events]
+    done_at = types.index("response.done")
+    assert [i for i, t in enumerate(types) if t == "input_audio_buffer.speech_started"][1] < done_at
+    assert min(i for i, t in enumerate(types) if t == "conversation.item.deleted") > done_at
     final = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"][-1]
     assert final["item_id"] == user_item
     assert wer("What is the capital of France? And how many people live there?", final["transcript"]) <= 0.25
@@ -233,3 +239,57 @@ async def test_server_vad_opt_in_and_bad_values(server):
         "turn_detection": {"type": "semantic_vad", "rtserve_eagerness": "high"}}}}}, "unknown_parameter",
         "session.audio.input.turn_detection.rtserve_eagerness", None)
     await raw.ws.close()
+
+
+async def test_openai_agents_session_through_an_early_end_and_its_repair(server):
+    """openai-agents' RealtimeSession (semantic VAD, spoken replies) through an early end and a repair: no error on
+    either side, and the SDK's history holds one user item, the committed one, whose transcript is the joined
+    utterance, none of the cancelled reply's items, and the new reply's assistant item last."""
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+
+    first, _, _ = utterance("What is the capital of France?", tail_ms=PAUSE_MS)
+    rest, _, _ = utterance("And how many people live there?", lead_ms=0, tail_ms=1000)
+    repairs = counter(server, "repairs")
+    settings = {"output_modalities": ["audio"], "max_output_tokens": 16,
+                "turn_detection": {"type": "semantic_vad", "eagerness": "medium"}}
+    agent = RealtimeAgent(name="voice", instructions=SESSION["instructions"])
+    runner = RealtimeRunner(agent, config={"model_settings": settings})
+    session = await runner.run(model_config={"url": server.realtime_url, "headers": {},
+                                             "initial_model_settings": settings})
+    raw, errors, history, sent_rest = [], [], [], False
+    async with session:
+        for i in range(0, len(first), 4800):   # 100 ms appends; the client stops inside the pause
+            await session.send_audio(first[i:i + 4800])
+        async with asyncio.timeout(300):
+            async for event in session:
+                if event.type == "error":
+                    errors.append(event.error)
+                if event.type == "history_updated":
+                    history = list(event.history)
+                if event.type == "history_added":
+                    history = [it for it in history if it.item_id != event.item.item_id] + [event.item]
+                data = getattr(getattr(event, "data", None), "data", None)
+                if not isinstance(data, dict):
+                    continue
+                raw.append(data)
+                if data["type"] == "response.created" and not sent_rest:
+                    sent_rest = True   # the early end's reply has started: the user goes on
+                    for i in range(0, len(rest), 4800):
+                        await session.send_audio(rest[i:i + 4800])
+                if data["type"] == "response.done" and data["response"]["status"] != "cancelled":
+                    break
+    assert not errors and not [e for e in raw if e["type"] == "error"], (errors, raw)
+    statuses = [e["response"]["status"] for e in raw if e["type"] == "response.done"]
+    assert statuses[0] == "cancelled" and statuses[-1] in ("completed", "incomplete"), statuses
+    commits = [e["item_id"] for e in raw if e["type"] == "input_audio_buffer.committed"]
+    assert len(commits) == 2 and commits[0] == commits[1]
+    users = [it for it in history if it.type == "message" and it.role == "user"]
+    assert [it.item_id for it in users] == [commits[0]], history
+    heard = " ".join(c.transcript or "" for c in users[0].content if c.type == "input_audio")
+    assert wer("What is the capital of France? And how many people live there?", heard) <= 0.25, heard
+    cancelled = next(e for e in raw if e["type"] == "response.done")["response"]
+    gone = {item["id"] for item in cancelled["output"]}
+    assert not gone & {it.item_id for it in history}
+    assert history[-1].type == "message" and history[-1].role == "assistant"
+    assert counter(server, "repairs") == repairs + 1
+    await server.wait_idle(pinned_ok=True)
