@@ -140,3 +140,82 @@ async def test_livekit_function_tool_required(server):
         texts, calls = await reply(session, tool_choice="none")
         assert len(texts) == 1 and texts[0].strip() and not calls, (texts, calls)
         assert errors == []
+
+
+async def test_livekit_spoken_turn_ends_early(server):
+    """Speech pushed through the plugin's `push_audio` (piper's "What is the capital of France?", then a pause the
+    client never finishes), under the plugin's default semantic VAD: the server ends the turn early, and the plugin
+    reports speech started and stopped, the final transcript and a server-created generation whose message streams the
+    text of the server's response.done."""
+    from livekit import rtc
+
+    from tests.gateway.realtime.client import utterance, wer
+    from tests.gateway.realtime.test_turn_detection import PAUSE_MS, counter
+
+    pcm, _, _ = utterance("What is the capital of France?", tail_ms=PAUSE_MS)   # pcm16, 24 kHz
+    early = counter(server, "early_ends")
+    async with livekit_session(server) as (session, errors, sent, received):
+        seen: dict[str, list] = {"input_speech_started": [], "input_speech_stopped": [],
+                                 "input_audio_transcription_completed": [], "generation_created": []}
+        for name, got in seen.items():
+            session.on(name, got.append)
+        for i in range(0, len(pcm), 4800):   # 100 ms frames
+            chunk = pcm[i:i + 4800]
+            session.push_audio(rtc.AudioFrame(chunk, 24000, 1, len(chunk) // 2))
+        async with asyncio.timeout(180):
+            while not seen["generation_created"]:
+                await asyncio.sleep(0.05)
+            texts, calls = await collect(seen["generation_created"][0])
+        assert seen["input_speech_started"] and seen["input_speech_stopped"]
+        final = [t for t in seen["input_audio_transcription_completed"] if t.is_final]
+        assert len(final) == 1 and wer("What is the capital of France?", final[0].transcript) <= 0.2, final
+        assert not seen["generation_created"][0].user_initiated
+        [done] = responses_done(received)
+        assert done["status"] in ("completed", "incomplete") and texts == message_texts(done) and texts[0].strip()
+        assert not calls and errors == []
+        assert counter(server, "early_ends") == early + 1
+
+
+async def test_livekit_through_a_repaired_turn(server):
+    """The user goes on right after an early end (speech pushed through the plugin): the plugin reports no error, the
+    first generation ends with the cancelled reply, a second server-created generation answers the whole utterance,
+    and the plugin's mirror of the conversation holds the user item once (by its id) and none of the cancelled reply's
+    items. (The mirror appends each completed transcript to the item's content, docs/gateway.md, Repair.)"""
+    from livekit import rtc
+
+    from tests.gateway.realtime.client import utterance
+    from tests.gateway.realtime.test_turn_detection import PAUSE_MS, counter
+
+    first, _, _ = utterance("What is the capital of France?", tail_ms=PAUSE_MS)
+    rest, _, _ = utterance("And how many people live there?", lead_ms=0, tail_ms=1000)
+    repairs = counter(server, "repairs")
+
+    def push(session, pcm: bytes) -> None:
+        for i in range(0, len(pcm), 4800):   # 100 ms frames
+            chunk = pcm[i:i + 4800]
+            session.push_audio(rtc.AudioFrame(chunk, 24000, 1, len(chunk) // 2))
+
+    async with livekit_session(server) as (session, errors, sent, received):
+        generations: list = []
+        session.on("generation_created", generations.append)
+        push(session, first)
+        async with asyncio.timeout(180):
+            while not generations:
+                await asyncio.sleep(0.05)
+            push(session, rest)   # the early end's reply has started: the user goes on
+            await collect(generations[0])
+            while len(generations) < 2:
+                await asyncio.sleep(0.05)
+            texts, _ = await collect(generations[1])
+            while len(responses_done(received)) < 2:
+                await asyncio.sleep(0.05)
+        cancelled, done = responses_done(received)
+        assert cancelled["status"] == "cancelled" and done["status"] in ("completed", "incomplete")
+        assert texts == message_texts(done)
+        commits = [e["item_id"] for e in received if e["type"] == "input_audio_buffer.committed"]
+        assert len(commits) == 2 and commits[0] == commits[1]
+        mirror = session.chat_ctx.items
+        assert [item.id for item in mirror if getattr(item, "role", None) == "user"] == [commits[0]]
+        assert not {item["id"] for item in cancelled["output"]} & {item.id for item in mirror}
+        assert errors == []
+        assert counter(server, "repairs") == repairs + 1
