@@ -66,6 +66,9 @@ class ActiveResponse:
     status_details: dict | None = None
     usage: dict | None = None
     output: Any = None  # the sink streaming the message item (TextOutput | AudioOutput)
+    # cancelled by a repair: the repaired turn's item, after which this reply's items leave the conversation once its
+    # response.done is out (before it, its done events still name them)
+    repaired: Item | None = None
 
     @property
     def in_conversation(self) -> bool:

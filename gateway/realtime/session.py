@@ -68,9 +68,6 @@ class RealtimeSession:
         self.config = sc.default_session(self.id, hs.model or engine.model_name)
         self.conversation = Conversation()
         self.active: ActiveResponse | None = None
-        # a cancelled reply to a repaired turn, and that turn's item: the reply's items leave the conversation once
-        # its response.done is out (before it, its done events still name them)
-        self._repaired: tuple[ActiveResponse, Item] | None = None
         self.history = PromptHistory()  # the append-only prompt state (last prompt + its answer)
         self.audio = audio
         self.audio_in: AudioInput | None = None  # created on the first audio input (loads nothing before)
@@ -437,7 +434,7 @@ class RealtimeSession:
         self.metrics.turn_repairs.inc()
         self.cancel_response("turn_detected")
         if self.active is not None:  # its task sends response.done
-            self._repaired = (self.active, item)
+            self.active.repaired = item
         else:
             self._drop_reply(item)
 
@@ -521,9 +518,8 @@ class RealtimeSession:
             self.audio_in.response_finished(resp.audio_ms)
         self.active = None
         self.responses.send_done(resp)
-        if self._repaired is not None and self._repaired[0] is resp:
-            item, self._repaired = self._repaired[1], None
-            self._drop_reply(item)
+        if resp.repaired is not None:
+            self._drop_reply(resp.repaired)
 
     # ------------------------------------------------------------------------------------------ helpers
     def audio_input(self) -> AudioInput:

@@ -22,8 +22,12 @@ from typing import Annotated
 
 import jsonschema
 from pydantic import Field
+from livekit import rtc
 from livekit.agents import function_tool, llm
 from livekit.plugins.openai.realtime import RealtimeModel
+
+from tests.gateway.realtime.client import utterance, wer
+from tests.gateway.realtime.test_turn_detection import PAUSE_MS, counter
 
 ASK = "What's the weather like in Paris right now?"
 
@@ -62,6 +66,13 @@ async def collect(generation: llm.GenerationCreatedEvent) -> tuple[list[str], li
 async def reply(session, **kwargs) -> tuple[list[str], list[llm.FunctionCall]]:
     async with asyncio.timeout(180):
         return await collect(await session.generate_reply(**kwargs))
+
+
+def push_speech(session, pcm: bytes) -> None:
+    """pcm16 24 kHz audio into the plugin, in 100 ms frames."""
+    for i in range(0, len(pcm), 4800):
+        chunk = pcm[i:i + 4800]
+        session.push_audio(rtc.AudioFrame(chunk, 24000, 1, len(chunk) // 2))
 
 
 def response_creates(sent: list[dict]) -> list[dict]:
@@ -147,11 +158,6 @@ async def test_livekit_spoken_turn_ends_early(server):
     client never finishes), under the plugin's default semantic VAD: the server ends the turn early, and the plugin
     reports speech started and stopped, the final transcript and a server-created generation whose message streams the
     text of the server's response.done."""
-    from livekit import rtc
-
-    from tests.gateway.realtime.client import utterance, wer
-    from tests.gateway.realtime.test_turn_detection import PAUSE_MS, counter
-
     pcm, _, _ = utterance("What is the capital of France?", tail_ms=PAUSE_MS)   # pcm16, 24 kHz
     early = counter(server, "early_ends")
     async with livekit_session(server) as (session, errors, sent, received):
@@ -159,9 +165,7 @@ async def test_livekit_spoken_turn_ends_early(server):
                                  "input_audio_transcription_completed": [], "generation_created": []}
         for name, got in seen.items():
             session.on(name, got.append)
-        for i in range(0, len(pcm), 4800):   # 100 ms frames
-            chunk = pcm[i:i + 4800]
-            session.push_audio(rtc.AudioFrame(chunk, 24000, 1, len(chunk) // 2))
+        push_speech(session, pcm)
         async with asyncio.timeout(180):
             while not seen["generation_created"]:
                 await asyncio.sleep(0.05)
@@ -181,28 +185,18 @@ async def test_livekit_through_a_repaired_turn(server):
     first generation ends with the cancelled reply, a second server-created generation answers the whole utterance,
     and the plugin's mirror of the conversation holds the user item once (by its id) and none of the cancelled reply's
     items. (The mirror appends each completed transcript to the item's content, docs/gateway.md, Repair.)"""
-    from livekit import rtc
-
-    from tests.gateway.realtime.client import utterance
-    from tests.gateway.realtime.test_turn_detection import PAUSE_MS, counter
-
     first, _, _ = utterance("What is the capital of France?", tail_ms=PAUSE_MS)
     rest, _, _ = utterance("And how many people live there?", lead_ms=0, tail_ms=1000)
     repairs = counter(server, "repairs")
 
-    def push(session, pcm: bytes) -> None:
-        for i in range(0, len(pcm), 4800):   # 100 ms frames
-            chunk = pcm[i:i + 4800]
-            session.push_audio(rtc.AudioFrame(chunk, 24000, 1, len(chunk) // 2))
-
     async with livekit_session(server) as (session, errors, sent, received):
         generations: list = []
         session.on("generation_created", generations.append)
-        push(session, first)
+        push_speech(session, first)
         async with asyncio.timeout(180):
             while not generations:
                 await asyncio.sleep(0.05)
-            push(session, rest)   # the early end's reply has started: the user goes on
+            push_speech(session, rest)   # the early end's reply has started: the user goes on
             await collect(generations[0])
             while len(generations) < 2:
                 await asyncio.sleep(0.05)
