@@ -142,6 +142,12 @@ def utterance(text: str, fmt: AudioFormat = PCM16, lead_ms: int = 300, tail_ms: 
     return encode_audio(float_to_int16(clip), fmt), lead_ms + on, lead_ms + off
 
 
+async def send_speech(session, pcm: bytes) -> None:
+    """pcm16 24 kHz audio into an openai-agents RealtimeSession, in 100 ms appends, as a microphone sends them."""
+    for i in range(0, len(pcm), 4800):
+        await session.send_audio(pcm[i:i + 4800])
+
+
 def chunks(raw: bytes, fmt: AudioFormat, sizes_ms=(20, 40, 60, 100, 80, 30)) -> list[str]:
     """Base64 appends of varying 20–100 ms sizes, like a microphone stream."""
     out, i, k = [], 0, 0

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from tests.gateway.realtime.client import BETA_EVENTS, GA_EVENTS, PCM16, VOICE_SESSION, expect_error, open_raw, \
-    open_voice, utterance
+    open_voice, send_speech, utterance
 from tests.gateway.realtime.test_session import collapse, recv_validated, sdk_client
 
 WEATHER_PARAMS = {
@@ -292,8 +292,7 @@ async def test_openai_agents_realtime_agent_runs_a_function_tool(server, spoken)
     async with session:
         if spoken:
             pcm, _, _ = utterance("what is the weather in paris", PCM16)
-            for i in range(0, len(pcm), 4800):   # 100 ms appends, as a microphone sends them
-                await session.send_audio(pcm[i:i + 4800])
+            await send_speech(session, pcm)
         else:
             await session.send_message(ASK)
         async with asyncio.timeout(300):

@@ -14,7 +14,8 @@ from gateway.metrics import Metrics
 from gateway.realtime.turn_detection import EAGERNESS, TurnDetector
 from tests.audio.speech import steady_piper_speech
 
-from tests.gateway.realtime.client import PCM16, check_turn, expect_error, normalize, open_voice, utterance, wer
+from tests.gateway.realtime.client import PCM16, check_turn, expect_error, normalize, open_voice, send_speech, \
+    utterance, wer
 
 pytestmark = pytest.mark.slow
 
@@ -258,8 +259,7 @@ async def test_openai_agents_session_through_an_early_end_and_its_repair(server)
                                              "initial_model_settings": settings})
     raw, errors, history, sent_rest = [], [], [], False
     async with session:
-        for i in range(0, len(first), 4800):   # 100 ms appends; the client stops inside the pause
-            await session.send_audio(first[i:i + 4800])
+        await send_speech(session, first)   # the client stops inside the pause
         async with asyncio.timeout(300):
             async for event in session:
                 if event.type == "error":
@@ -274,8 +274,7 @@ async def test_openai_agents_session_through_an_early_end_and_its_repair(server)
                 raw.append(data)
                 if data["type"] == "response.created" and not sent_rest:
                     sent_rest = True   # the early end's reply has started: the user goes on
-                    for i in range(0, len(rest), 4800):
-                        await session.send_audio(rest[i:i + 4800])
+                    await send_speech(session, rest)
                 if data["type"] == "response.done" and data["response"]["status"] != "cancelled":
                     break
     assert not errors and not [e for e in raw if e["type"] == "error"], (errors, raw)
