@@ -80,6 +80,7 @@ class _Request:
     queue: asyncio.Queue
     window: int = 0
     text_done: str = ""  # transcript of finished windows
+    heard: float | None = None  # Whisper's certainty of the last window's ending (WhisperModel.heard_ending)
     emitted: str = ""  # text already sent as deltas
     cancelled: bool = False
     finished: bool = False
@@ -97,6 +98,7 @@ class TranscriptionStream:
     def __init__(self, req: _Request) -> None:
         self._req = req
         self.text: str | None = None
+        self.heard: float | None = None  # once done: how sure Whisper was of the transcript's ending (None: unknown)
 
     def __aiter__(self) -> "TranscriptionStream":
         return self
@@ -109,8 +111,8 @@ class TranscriptionStream:
         except BaseException:
             self._req.cancelled = True  # CancelledError and friends: drop the request
             raise
-        if isinstance(item, tuple):  # ("final", text)
-            self.text = item[1]
+        if isinstance(item, tuple):  # ("final", text, heard)
+            _, self.text, self.heard = item
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.text = ""
@@ -185,6 +187,11 @@ class Transcriber:
 
     async def transcribe_text(self, audio_16k: np.ndarray) -> str:
         return await self.transcribe(audio_16k).result()
+
+    async def transcribe_heard(self, audio_16k: np.ndarray) -> tuple[str, float | None]:
+        """The transcript and Whisper's certainty of its ending (`WhisperModel.heard_ending`; None: unknown)."""
+        stream = self.transcribe(audio_16k)
+        return await stream.result(), stream.heard
 
     def close(self, timeout: float = 5.0) -> None:
         with self._cv:
@@ -286,6 +293,7 @@ class Transcriber:
             text = r.text_done + model.detokenize(tokens)
             if done:
                 r.text_done = text
+                r.heard = decoder.heard.get(r)
                 r.window += 1
                 self._active.remove(r)
                 if r.window < len(r.windows) and not r.cancelled:  # its next window joins at the next admission
@@ -310,4 +318,4 @@ class Transcriber:
             r.send(text[len(r.emitted) :])
             r.emitted = text
         if final:
-            r.send(("final", text))
+            r.send(("final", text, r.heard))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import struct
 import threading
@@ -62,6 +63,8 @@ NO_SPEECH_THRESHOLD = 0.6  # Whisper's own default
 LOOP_MIN_TOKENS = 4
 LOOP_MAX_TOKENS = 48  # longer blocks are not looked for: a loop repeats a sentence or less
 FIRST_SPECIAL = 50257  # everything from here on is never a text token
+HEARD_TOP = 5  # candidates kept at each text token for `WhisperModel.heard_ending` (case variants, sentence ends)
+_ENDING_CHARS = frozenset(".?!…\"'”’)")  # what may close a sentence (a "%" or a "," does not)
 
 _CT2_DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16, 5: "bfloat16"}
 
@@ -244,6 +247,7 @@ class WhisperModel:
         self._suppress = mask
         self._suppress_begin = mask.clone()
         self._suppress_begin[list(suppress_begin)] = True
+        self._pieces: dict[int, str] = {}  # token id -> its text (`_piece`)
         # Every linear layer on 8-bit GGUF blocks for the packed kernel (`_quantize_linears`), quantized from the fp32
         # weights before they are rounded to the model's dtype.
         self._proj_blocks = _quantize_linears(model) if pack and dtype == torch.bfloat16 else None
@@ -443,11 +447,60 @@ class WhisperModel:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
+    def _piece(self, token: int) -> str:
+        """One token's text ("" for special tokens), cached: `heard_ending` looks at a few per transcript."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.tokenizer.decode([token], skip_special_tokens=True)
+        return piece
+
+    def heard_ending(self, tokens: Sequence[int], tops: Sequence[tuple[list[int], list[float]]]) -> float | None:
+        """How sure Whisper was that the transcript ends as it does: P(its last word starts as written, in any case) ×
+        P(a sentence ends right after the word: ".", "?", "!" or the end of the text), from the decoding steps' top
+        candidates (`tops[j]` the step that chose `tokens[j]`, the last one the step that chose EOT). None for a
+        transcript with no word.
+
+        Why: in a pause cut mid-clause, Whisper often writes a word the silence does not hold ("directions to" →
+        "directions too.", "leaves at um" → "leaves at home."), and with it a complete-looking sentence. Such an
+        ending is a guess among other words, made with less certainty than a word that was said. Only the word's
+        first token counts: the later pieces of a rare word or a name ("Okapuses") are uncertain in spelling, not in
+        whether a word was said. The spellings of one ending ("sun." / "Sun." / "sun?") are summed, so a heard word is
+        not doubted for its case or punctuation."""
+        n = len(tokens)
+        if len(tops) != n + 1:
+            return None
+        end = n  # the trailing sentence-end punctuation starts here (n: none)
+        while end > 0 and (piece := self._piece(tokens[end - 1]).strip()) and set(piece) <= _ENDING_CHARS:
+            end -= 1
+        start = end - 1  # the last word's first token: the last one before `end` that starts a word
+        while start > 0 and not self._piece(tokens[start]).startswith(" "):
+            start -= 1
+        if start < 0:
+            return None
+        word = self._piece(tokens[start]).strip().lower()
+        ids, lps = tops[start]
+        p_word = sum(math.exp(lp) for t, lp in zip(ids, lps) if self._piece(t).strip().lower() == word)
+        ids, lps = tops[end]
+        p_end = sum(math.exp(lp) for t, lp in zip(ids, lps)
+                    if t == EOT or ((piece := self._piece(t).strip()) and set(piece) <= _ENDING_CHARS))
+        return min(1.0, p_word * p_end)
+
     def transcribe(self, audios: Sequence[np.ndarray]) -> list[str]:
         """Blocking convenience: one window per clip (clips over 30 s are cut), batched."""
+        return [text for text, _ in self.transcribe_heard(audios)]
+
+    @torch.inference_mode()
+    def transcribe_heard(self, audios: Sequence[np.ndarray]) -> list[tuple[str, float | None]]:
+        """`transcribe`, each transcript with Whisper's certainty of its ending (`heard_ending`)."""
         enc = self.encode_clips(audios)
-        caps = [self.max_tokens_for(min(len(a), WINDOW_SAMPLES)) for a in audios]
-        return [self.detokenize(t).strip() for t in self.decode_greedy(enc, caps)]
+        dec = self.decoder()
+        dec.add(enc, list(range(len(audios))), [self.max_tokens_for(min(len(a), WINDOW_SAMPLES)) for a in audios])
+        out: list[tuple[str, float | None]] = [("", None)] * len(audios)
+        while dec.rows:
+            for row, tokens, done in dec.step():
+                if done:
+                    out[row] = (self.detokenize(tokens).strip(), dec.heard.get(row))
+        return out
 
 
 def _quantize_linears(model) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple | None] | None:
@@ -516,6 +569,9 @@ class _Row:
     # a repetition seen (`looped`): its block's length, and how many tokens the row had when its third copy ended
     loop_k: int = 0
     loop_at: int = 0
+    # per text token, then for the EOT that ended the row: the step's top HEARD_TOP (ids, logprobs); None once a loop
+    # was cut (the tokens no longer line up with their steps)
+    tops: list | None = field(default_factory=list)
 
     def watch_loop(self) -> bool:
         """After each token: whether the row has been repeating one block since it held three copies of it, and is
@@ -553,6 +609,8 @@ class Decoder:
         self.self_k: torch.Tensor | None = None  # [layers, B, heads, 2 + the longest row's cap, head_dim]
         self.self_v: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None
+        # rows that ended on EOT in the last step: key -> `WhisperModel.heard_ending` of their transcript
+        self.heard: dict[object, float | None] = {}
 
     @torch.inference_mode()
     def add(self, encoded: torch.Tensor, keys: Sequence, caps: Sequence[int],
@@ -641,8 +699,12 @@ class Decoder:
         begin = [i for i, r in enumerate(rows) if r.pos == 1]  # first text token: also no blank, no EOT
         if begin:
             logits[begin] = logits[begin].masked_fill(m._suppress_begin, float("-inf"))
-        nxt = kernels.argmax(logits).tolist()
+        # the greedy token (the first candidate: the argmax, lower index on ties) and the step's top candidates with
+        # their logprobs, which say how sure Whisper was of the transcript's ending (`heard_ending`)
+        vals, idx, lse = kernels.top_candidates(logits, HEARD_TOP)
+        top_ids, top_lps = idx.tolist(), (vals - lse.unsqueeze(1)).tolist()
         self.last_logits = logits  # [rows, vocab], suppressed tokens at -inf (for checks)
+        self.heard = {}
         out, keep = [], []
         for i, r in enumerate(rows):
             r.pos += 1
@@ -652,8 +714,12 @@ class Decoder:
                     continue
                 keep.append(i)
                 continue
-            tok = nxt[i]
+            tok = top_ids[i][0]
+            if r.tops is not None:
+                r.tops.append((top_ids[i], top_lps[i]))
             if tok == EOT:
+                if r.tops is not None:
+                    self.heard[r.key] = m.heard_ending(r.tokens, r.tops)
                 out.append((r.key, r.tokens, True))
                 continue
             r.tokens.append(tok)
@@ -661,6 +727,7 @@ class Decoder:
             if r.watch_loop():
                 del r.tokens[r.loop_at:]
                 self._cut_loop(r.tokens, r.loop_k)
+                r.tops = None
                 done = True
             out.append((r.key, r.tokens, done))
             if not done:

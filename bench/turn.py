@@ -1,8 +1,8 @@
 """End-of-turn benchmark: how often each rule ends a turn early on complete utterances, how often it ends one falsely
 on utterances paused at an incomplete point, and how soon after the end of speech it decides.
 
-    rtserve bench turn [--limit N] [--dump FILE] [--voice espeak]   (runs the models)
-    rtserve bench turn --scores FILE [--as-heard]                   (replays a dump under the rule as the code has it now)
+    rtserve bench turn [--limit N] [--dump FILE] [--voice espeak]         (runs the models)
+    rtserve bench turn --scores FILE [--as-heard] [--no-heard-ending]   (replays a dump under the rule in the code)
 
 Two sets, synthesized now with piper (joe-us, its own noise on every clip; nothing recorded), or with `--voice espeak`
 espeak-ng's en-us (flat phrase endings, a voice the rule was not tuned on): COMPLETE questions and
@@ -15,7 +15,8 @@ template, the voice session's instructions), and Smart Turn on the audio; each t
 - fixed 500 ms: server_vad's window, no early end;
 - end-of-turn token alone, text alone (the token jointly with Whisper's punctuation before it), Smart Turn alone;
 - combined: `turn_detection.combine`, the server's rule (with P(a sentence ends after the words) from the same
-  prefill's top logprobs; a dump written before it had none, and replays the rule without that term).
+  prefill's top logprobs, and Whisper's certainty of the transcript's ending, `WhisperModel.heard_ending`; a dump
+  written before either had none, and replays the rule without it).
 A rule ends a turn at a pause at the first silence at which the scores it needs are in (`Pause.ready_ms`: the VAD's
 report, then Whisper + prefill, then Smart Turn where the server would ask it) and its probability clears the threshold for that silence
 (`turn_detection.early_end_ms`), or when the pause lasts the window (800 ms for semantic_vad medium). Reported for
@@ -78,6 +79,7 @@ INSTRUCTIONS = "You are a concise voice assistant. Answer in one short sentence.
 RATE = 16_000
 CHUNK_MS = 40
 AS_HEARD = False  # --as-heard: replay without conditioning the text scores on the last word's end
+NO_HEARD_ENDING = False  # --no-heard-ending: replay without Whisper's certainty of the transcript's ending
 VOICES = {"piper": "piper joe-us", "espeak": "espeak-ng en-us"}  # --voice: who speaks the utterances
 SCORED_FROM_MS = 100  # pauses at least this long are scored (shorter ones are gaps between words)
 
@@ -94,6 +96,7 @@ class Pause:
     p_sentence_end: float | None = None  # P(a sentence ends after the words), from the same prefill's top logprobs
     p_word_end: float | None = None  # P(the last word is over), likewise (turn_detection.word_end_probability)
     p_audio: float | None = None
+    p_heard: float | None = None  # Whisper's certainty of the transcript's ending (WhisperModel.heard_ending)
     whisper_s: float = 0.0
     prefill_s: float = 0.0
     smart_s: float = 0.0
@@ -123,6 +126,12 @@ class Pause:
         return at_word_end(p, self.p_word_end)
 
     @property
+    def heard(self) -> float | None:
+        """Whisper's certainty of the transcript's ending as the rule takes it (None in a dump from before it, or
+        under --no-heard-ending)."""
+        return None if NO_HEARD_ENDING else self.p_heard
+
+    @property
     def p_token(self) -> float | None:
         """The end-of-turn token alone (after whatever punctuation Whisper wrote)."""
         return float(np.exp(self.eot_logprobs[-1])) if self.eot_logprobs else None
@@ -139,7 +148,7 @@ class Pause:
         if rule == "Smart Turn alone":
             return reported + 1000 * self.smart_s
         text = reported + 1000 * (self.whisper_s + self.prefill_s)
-        if rule == "combined" and audio_matters(self.p_text, policy or EAGERNESS["medium"], self.p_end):
+        if rule == "combined" and audio_matters(self.p_text, policy or EAGERNESS["medium"], self.p_end, self.heard):
             return text + 1000 * self.smart_s
         return text
 
@@ -218,7 +227,7 @@ def score(clips: list[tuple[str, int, str, np.ndarray, float]]) -> list[Clip]:
             if silence_ms < SCORED_FROM_MS:  # a gap between words: no rule ends a turn in it
                 continue
             t0 = time.perf_counter()
-            pause.transcript = whisper.transcribe([turn])[0].strip()
+            pause.transcript, pause.p_heard = whisper.transcribe_heard([turn])[0]
             t1 = time.perf_counter()
             if pause.transcript:
                 prompt = tok.apply_chat_template([{"role": "system", "content": INSTRUCTIONS},
@@ -254,7 +263,7 @@ def probability(p: Pause, rule: str) -> float:
 
     return {"end-of-turn token alone": p.p_token or 0.0, "text alone": p.p_text or 0.0,
             "Smart Turn alone": p.p_audio or 0.0,
-            "combined": combine(p.p_text, p.p_audio, p.p_end)}[rule]
+            "combined": combine(p.p_text, p.p_audio, p.p_end, p.heard)}[rule]
 
 
 def decide(clip: Clip, rule: str, policy=None, window_ms: int | None = None) -> tuple[int, str, float]:
@@ -335,9 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--voice", choices=list(VOICES), default="piper",
                     help="who speaks the utterances: piper's joe-us (default) or espeak-ng's en-us (flat, robotic "
                          "phrase endings: a voice the rule was not tuned on)")
+    ap.add_argument("--no-heard-ending", action="store_true",
+                    help="combined rule without Whisper's certainty of the transcript's ending (the rule before it)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    global AS_HEARD
-    AS_HEARD = args.as_heard
+    global AS_HEARD, NO_HEARD_ENDING
+    AS_HEARD, NO_HEARD_ENDING = args.as_heard, args.no_heard_ending
     if args.scores:
         report(load(args.scores))
         return 0

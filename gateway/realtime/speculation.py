@@ -42,9 +42,11 @@ class Speculation:
 
     def __init__(self, stage: AudioStage, pregenerate: Callable[[str], Awaitable["Pregen | None"]],
                  reply_wanted: Callable[[bool], bool], name: str,
-                 end_of_turn_scored: Callable[[Span, float | None, float | None], None] | None = None) -> None:
+                 end_of_turn_scored: Callable[[Span, float | None, float | None, float | None], None] | None = None
+                 ) -> None:
         self.stage, self._pregenerate, self._reply_wanted, self.name = stage, pregenerate, reply_wanted, name
-        # gets the prefill's end-of-turn logprob and P(sentence end) for the pausing span
+        # gets the prefill's end-of-turn logprob and P(sentence end) for the pausing span, and Whisper's certainty of
+        # the transcript's ending
         self._scored = end_of_turn_scored
         self._pending: tuple[Span, asyncio.Task] | None = None  # the pausing turn's transcription
         self._ended: Span | None = None  # the span whose transcription became the committed turn's
@@ -56,8 +58,8 @@ class Speculation:
 
         async def run() -> str:
             trace(self.name, "speculate", span)
-            text = await self.stage.start().transcriber.transcribe_text(audio_16k)
-            trace(self.name, "speculative transcript", text)
+            text, heard = await self.stage.start().transcriber.transcribe_heard(audio_16k)
+            trace(self.name, "speculative transcript", (text, heard))
             if text.strip() and self._wants_reply(span):  # the LLM starts on it too, still during the pause
                 try:
                     pre = await self._pregenerate(text)
@@ -68,7 +70,7 @@ class Speculation:
                     self.pregen = pre
                     self.stage.speculations["pregenerated"] += 1
                     if self._scored is not None and pre.eot_positions:
-                        pre.on_end_of_turn(lambda logprob, p_end: self._scored(span, logprob, p_end))
+                        pre.on_end_of_turn(lambda logprob, p_end: self._scored(span, logprob, p_end, heard))
                 elif pre is not None:
                     pre.cancel()
             return text

@@ -108,10 +108,16 @@ def at_word_end(p: float | None, p_word_end: float | None) -> float | None:
     return p if p is None or p_word_end is None else min(1.0, p / p_word_end)
 
 
-def combine(p_text: float | None, p_audio: float | None, p_sentence_end: float | None = None) -> float:
+def combine(p_text: float | None, p_audio: float | None, p_sentence_end: float | None = None,
+            p_heard: float | None = None) -> float:
     """P(the turn is over) from both signals: the text score weighted with the audio's, 0 without the text signal
     (audio alone ends no turn early: synthetic and flat voices fool it) or when the text vetoes; or, if higher, the
-    two signals' agreement, P(sentence end) × P(audio complete)."""
+    two signals' agreement, P(sentence end) × P(audio complete). Both text scores are read from Whisper's transcript,
+    so each counts only as far as Whisper heard its ending (`p_heard`, `WhisperModel.heard_ending`): an ending it
+    guessed in the silence is no evidence that the turn is over."""
+    if p_heard is not None:
+        p_text = None if p_text is None else p_text * p_heard
+        p_sentence_end = None if p_sentence_end is None else p_sentence_end * p_heard
     agree = p_sentence_end * p_audio if p_sentence_end is not None and p_audio is not None else 0.0
     if p_text is None or p_text < TEXT_VETO:
         return agree
@@ -120,14 +126,15 @@ def combine(p_text: float | None, p_audio: float | None, p_sentence_end: float |
     return max(TEXT_WEIGHT * p_text + (1.0 - TEXT_WEIGHT) * p_audio, agree)
 
 
-def audio_matters(p_text: float | None, policy: Eagerness, p_sentence_end: float | None = None) -> bool:
+def audio_matters(p_text: float | None, policy: Eagerness, p_sentence_end: float | None = None,
+                  p_heard: float | None = None) -> bool:
     """Whether Smart Turn's score can change when, or whether, a pause with these text scores ends the turn early:
     not when the combination clears the shortest silence's threshold whatever the audio says, and not when it stays
     below the floor whatever the audio says (the text vetoes and no sentence can end here, mostly). (`early_end_ms`
     falls as the probability rises, and `combine` rises with the audio's, so the two ends of the audio's range
     decide.) Most pauses are one of the two, and the Smart Turn call is skipped there."""
-    return combine(p_text, 0.0, p_sentence_end) < policy.threshold and \
-        combine(p_text, 1.0, p_sentence_end) >= policy.floor
+    return combine(p_text, 0.0, p_sentence_end, p_heard) < policy.threshold and \
+        combine(p_text, 1.0, p_sentence_end, p_heard) >= policy.floor
 
 
 def early_end_ms(p: float, policy: Eagerness, window_ms: int) -> float | None:
@@ -148,6 +155,7 @@ class Verdict:
     span: Span
     p_text: float | None = None
     p_sentence_end: float | None = None
+    p_heard: float | None = None
     p_audio: float | None = None
     text_done: bool = False
     audio_done: bool = False
@@ -192,16 +200,17 @@ class TurnDetector:
         verdict.audio_done = True
         self._decide(verdict)
 
-    def text_scored(self, span: Span, logprob: float | None, p_sentence_end: float | None = None) -> None:
+    def text_scored(self, span: Span, logprob: float | None, p_sentence_end: float | None = None,
+                    p_heard: float | None = None) -> None:
         """The pause's prefill scored the text: the end-of-turn logprob (None: not scored) and P(a sentence ends
-        after the words)."""
+        after the words); with Whisper's certainty of the transcript's ending (None: unknown)."""
         verdict = self._verdict
         if verdict is None or verdict.span != span:
             return
         verdict.p_text = math.exp(logprob) if logprob is not None else None
-        verdict.p_sentence_end = p_sentence_end
+        verdict.p_sentence_end, verdict.p_heard = p_sentence_end, p_heard
         verdict.text_done = True
-        if audio_matters(verdict.p_text, self.policy, p_sentence_end):
+        if audio_matters(verdict.p_text, self.policy, p_sentence_end, p_heard):
             self.metrics.turn_audio_scores.inc()
             self._audio_task = asyncio.create_task(self._score_audio(verdict, self._audio),
                                                    name=f"{self.name}-smart-turn")
@@ -223,14 +232,15 @@ class TurnDetector:
         if verdict is not self._verdict or verdict.decided or not (
                 verdict.text_done and verdict.audio_done and verdict.silence_ms > 0):
             return
-        p = combine(verdict.p_text, verdict.p_audio, verdict.p_sentence_end)
+        p = combine(verdict.p_text, verdict.p_audio, verdict.p_sentence_end, verdict.p_heard)
         at = early_end_ms(p, self.policy, verdict.window_ms)
         end = at is not None and verdict.silence_ms >= at
         if not verdict.checked:
             verdict.checked = True
             self.metrics.turn_checks.inc()
         trace(self.name, "end of turn check",
-              (verdict.span, verdict.silence_ms, verdict.p_text, verdict.p_sentence_end, verdict.p_audio, p, end))
+              (verdict.span, verdict.silence_ms, verdict.p_text, verdict.p_sentence_end, verdict.p_heard,
+               verdict.p_audio, p, end))
         if end:
             verdict.decided = True
             self._end_turn(verdict.span)

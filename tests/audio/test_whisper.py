@@ -90,6 +90,7 @@ async def test_transcriber_streams_deltas(transcriber, clips):
     assert len(deltas) >= 3  # token by token, not one blob
     assert "".join(deltas) == stream.text
     assert jiwer.wer(REF, _norm(stream.text)) <= 0.2
+    assert 0.0 < stream.heard <= 1.0  # how sure Whisper was of the ending (WhisperModel.heard_ending)
 
 
 async def test_transcriber_batches_concurrent_requests(transcriber, clips):
@@ -430,3 +431,37 @@ async def test_staggered_arrivals_and_cancellations_leave_nothing_behind(transcr
     # would not count as a cancel)
     assert 1 <= transcriber.stats.cancelled - cancelled <= 4
     assert transcriber.stats.max_decode_rows >= 2
+
+
+def test_heard_ending_sums_the_spellings_of_an_ending(model):
+    """P(the last word's first token, in any case) × P(a sentence end right after it), from the steps' candidates."""
+    from audio.whisper import EOT
+
+    def ids(text: str) -> list[int]:
+        return model.tokenizer.encode(text, add_special_tokens=False).ids
+
+    (the,), (sun,), (Sun,), (moon,) = ids(" the"), ids(" sun"), ids(" Sun"), ids(" moon")
+    (dot,), (q,), (comma,) = ids("."), ids("?"), ids(",")
+    lg = np.log
+    tops = [([the], [0.0]), ([sun, moon, Sun], [lg(0.5), lg(0.2), lg(0.3)]),
+            ([dot, comma, q], [lg(0.6), lg(0.2), lg(0.2)]), ([EOT], [0.0])]
+    assert model.heard_ending([the, sun, dot], tops) == pytest.approx(0.8 * 0.8)
+    # no punctuation written: the end of the text after the word is the sentence end
+    assert model.heard_ending([the, sun], [tops[0], tops[1], ([EOT, dot], [lg(0.7), lg(0.1)])]) == \
+        pytest.approx(0.8 * 0.8)
+    # a word's later pieces do not count; a "%" is part of the word, not its ending
+    fifty, pct = ids(" 50")[0], ids("%")[0]
+    assert model.heard_ending([fifty, pct, dot], [([fifty], [lg(0.9)]), ([pct], [lg(0.1)]), ([dot], [lg(0.5)]),
+                                                  ([EOT], [0.0])]) == pytest.approx(0.45)
+    assert model.heard_ending([the, sun, dot], tops[:3]) is None  # ended by its cap, not by EOT
+    assert model.heard_ending([dot], [([dot], [0.0]), ([EOT], [0.0])]) is None  # no word
+
+
+def test_a_guessed_ending_is_heard_with_less_certainty(model):
+    """A complete question against the same kind of clause cut by silence ("The train leaves at um", which Whisper
+    tends to finish with a word of its own): the transcript comes with how sure Whisper was of its ending."""
+    said = as_turn(steady_piper_speech("Which planet is closest to the sun?"))
+    cut = as_turn(steady_piper_speech("The train leaves at um"))
+    (said_text, said_heard), (cut_text, cut_heard) = model.transcribe_heard([said, cut])
+    assert [said_text, cut_text] == model.transcribe([said, cut])
+    assert said_heard > 0.5 and said_heard > 1.5 * cut_heard, (said_text, said_heard, cut_text, cut_heard)

@@ -107,3 +107,19 @@ def test_the_audio_is_asked_only_where_it_can_change_when_the_turn_ends(eagernes
                     assert len(ends) > 1, (p_text, p_end, ends)
                     asked += 1
     assert asked > 0
+
+
+def test_text_scores_count_as_far_as_whisper_heard_the_ending():
+    """Whisper's "The train leaves at home." on a cut "The train leaves at um": a complete-looking sentence, whose
+    last word Whisper guessed in the silence. Both text scores are scaled by how sure it was of that ending."""
+    policy = EAGERNESS["medium"]
+    assert combine(0.5, 0.5, 0.6, None) == combine(0.5, 0.5, 0.6)  # unknown: as before
+    assert combine(0.5, 0.5, 0.6, 1.0) == pytest.approx(combine(0.5, 0.5, 0.6))
+    assert combine(0.5, 0.5, 0.6, 0.5) == pytest.approx(combine(0.25, 0.5, 0.3))
+    # a sure text score on a guessed ending: under the veto, and the agreement term falls with it
+    assert combine(0.09, 0.8, 0.6, 0.5) == pytest.approx(0.6 * 0.5 * 0.8)
+    guessed = combine(0.2, 0.9, 0.16, 0.2)
+    assert early_end_ms(combine(0.2, 0.9, 0.16), policy, WINDOW) is not None and \
+        early_end_ms(guessed, policy, WINDOW) is None
+    # whether Smart Turn is asked follows the scaled scores
+    assert audio_matters(0.1, policy, 0.0) and not audio_matters(0.1, policy, 0.0, 0.1)
