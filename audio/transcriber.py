@@ -50,6 +50,8 @@ class TranscriberStats:
     max_batch: int = 0
     batch_sizes: Counter = field(default_factory=Counter)
     decode_steps: int = 0
+    draft_tokens: int = 0  # drafts' tokens checked (`Transcriber.transcribe`'s draft), and those kept
+    draft_accepted: int = 0
     decode_rows: int = 0
     max_decode_rows: int = 0
     encoder_seconds: float = 0.0
@@ -67,6 +69,7 @@ class TranscriberStats:
             "batch_sizes": dict(sorted(self.batch_sizes.items())),
             "decode_steps": self.decode_steps, "decode_rows": self.decode_rows,
             "max_decode_rows": self.max_decode_rows,
+            "draft_tokens": self.draft_tokens, "draft_accepted": self.draft_accepted,
             "encoder_seconds": round(self.encoder_seconds, 4), "decoder_seconds": round(self.decoder_seconds, 4),
             "audio_seconds": round(self.audio_seconds, 3), "rtf": round(self.rtf, 4),
         }
@@ -81,6 +84,8 @@ class _Request:
     window: int = 0
     text_done: str = ""  # transcript of finished windows
     heard: float | None = None  # Whisper's certainty of the last window's ending (WhisperModel.heard_ending)
+    draft: list | None = None  # tokens the transcript probably starts with (its first window's; Decoder.add)
+    draft_out: list | None = None  # once done: a draft for the same speech continued (WhisperModel.draft_of)
     emitted: str = ""  # text already sent as deltas
     cancelled: bool = False
     finished: bool = False
@@ -99,6 +104,8 @@ class TranscriptionStream:
         self._req = req
         self.text: str | None = None
         self.heard: float | None = None  # once done: how sure Whisper was of the transcript's ending (None: unknown)
+        # once done: a draft for a transcription of the same speech continued (`Transcriber.transcribe`'s `draft`)
+        self.draft: list[int] | None = None
 
     def __aiter__(self) -> "TranscriptionStream":
         return self
@@ -111,8 +118,8 @@ class TranscriptionStream:
         except BaseException:
             self._req.cancelled = True  # CancelledError and friends: drop the request
             raise
-        if isinstance(item, tuple):  # ("final", text, heard)
-            _, self.text, self.heard = item
+        if isinstance(item, tuple):  # ("final", text, heard, draft)
+            _, self.text, self.heard, self.draft = item
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.text = ""
@@ -152,6 +159,7 @@ class Transcriber:
         self.stats = TranscriberStats()
         self._pending: list[_Request] = []
         self._active: list[_Request] = []
+        self._admitting: list[_Request] = []  # taken from _pending, being encoded: not yet in _active
         self._cv = threading.Condition()
         self._ids = itertools.count(1)
         self._closed = False
@@ -165,25 +173,29 @@ class Transcriber:
         return self._model
 
     # ---- public API (event loop side)
-    def transcribe(self, audio_16k: np.ndarray) -> TranscriptionStream:
-        """Queue a 16 kHz mono segment; iterate the result for deltas (call from the event loop)."""
+    def transcribe(self, audio_16k: np.ndarray, draft: list[int] | None = None) -> TranscriptionStream:
+        """Queue a 16 kHz mono segment; iterate the result for deltas (call from the event loop). ``draft``: the
+        tokens its transcript probably starts with (the ``draft`` of an earlier transcription of the same speech, cut
+        shorter), which the decoder checks in one pass instead of a step per token; the transcript is the same."""
         audio = self._validate(audio_16k)
         if self._closed:
             raise TranscriptionError("transcriber is closed")
         windows = [audio[i : i + WINDOW_SAMPLES] for i in range(0, len(audio), WINDOW_SAMPLES)]
         if len(windows) > 1 and len(windows[-1]) < MIN_SAMPLES:
             windows.pop()
-        req = _Request(next(self._ids), windows, asyncio.get_running_loop(), asyncio.Queue())
+        req = _Request(next(self._ids), windows, asyncio.get_running_loop(), asyncio.Queue(),
+                       draft=list(draft) if draft else None)
         with self._cv:
             self.stats.requests += 1
             self._pending.append(req)
             self._cv.notify()
         return TranscriptionStream(req)
 
+
     @property
     def inflight(self) -> int:
-        """Requests queued or being decoded (approximate: read without the worker's lock)."""
-        return len(self._pending) + len(self._active)
+        """Requests queued, being encoded or being decoded (approximate: read without the worker's lock)."""
+        return len(self._pending) + len(self._admitting) + len(self._active)
 
     async def transcribe_text(self, audio_16k: np.ndarray) -> str:
         return await self.transcribe(audio_16k).result()
@@ -233,6 +245,7 @@ class Transcriber:
             with self._cv:
                 room = self.max_batch - len(self._active)
                 new, self._pending = self._pending[:room], self._pending[room:]
+                self._admitting = new
             new = [r for r in new if not self._drop_if_cancelled(r)]
             for r in [r for r in self._active if r.cancelled]:
                 self._drop_if_cancelled(r)
@@ -245,6 +258,8 @@ class Transcriber:
                     self._admit(decoder, new)
             except Exception as exc:  # noqa: BLE001 - these requests learn of the failure; the rows decoding go on
                 self._fail(new, exc)
+            finally:
+                self._admitting = []
             try:
                 if self._active:
                     self._step(decoder)
@@ -277,14 +292,18 @@ class Transcriber:
         self.stats.batches += 1
         self.stats.batch_sizes[len(batch)] += 1
         self.stats.max_batch = max(self.stats.max_batch, len(batch))
-        decoder.add(enc, batch, [model.max_tokens_for(len(a)) for a in audios])
+        drafts = [r.draft if r.window == 0 and len(r.windows) == 1 else None for r in batch]
+        decoder.add(enc, batch, [model.max_tokens_for(len(a)) for a in audios], drafts=drafts)
         self._active += batch
 
     def _step(self, decoder) -> None:
         model = self.model
         t0 = time.perf_counter()
         rows = len(decoder.rows)
+        checked, agreed = decoder.draft_tokens, decoder.draft_accepted
         produced = decoder.step()
+        self.stats.draft_tokens += decoder.draft_tokens - checked
+        self.stats.draft_accepted += decoder.draft_accepted - agreed
         self.stats.decoder_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
         self.stats.decode_rows += rows
@@ -293,7 +312,7 @@ class Transcriber:
             text = r.text_done + model.detokenize(tokens)
             if done:
                 r.text_done = text
-                r.heard = decoder.heard.get(r)
+                r.heard, r.draft_out = decoder.heard.get(r), model.draft_of(tokens)
                 r.window += 1
                 self._active.remove(r)
                 if r.window < len(r.windows) and not r.cancelled:  # its next window joins at the next admission
@@ -318,4 +337,4 @@ class Transcriber:
             r.send(text[len(r.emitted) :])
             r.emitted = text
         if final:
-            r.send(("final", text, r.heard))
+            r.send(("final", text, r.heard, r.draft_out))

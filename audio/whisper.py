@@ -265,6 +265,7 @@ class WhisperModel:
         self._tails: dict[tuple[float, int], _SilenceTail] = {}  # (padding value, context positions), oldest first
         self._tails_lock = threading.Lock()
         self.decoder_pass = _DecoderPass(model.model.decoder, self._logits)
+        self.draft_pass = self.decoder_pass  # the Python module, for passes of many tokens a row (not traced)
         if settings.enabled("RTSERVE_WHISPER_GRAPH"):
             self._trace_graphs()
 
@@ -485,6 +486,16 @@ class WhisperModel:
                     if t == EOT or ((piece := self._piece(t).strip()) and set(piece) <= _ENDING_CHARS))
         return min(1.0, p_word * p_end)
 
+    def draft_of(self, tokens: Sequence[int]) -> list[int]:
+        """What a transcription of the same speech continued probably starts with: the tokens without their trailing
+        punctuation and their last word (where the clip was cut, a word is often cut too, and misheard)."""
+        end = len(tokens)
+        while end > 0 and (piece := self._piece(tokens[end - 1]).strip()) and set(piece) <= _ENDING_CHARS:
+            end -= 1
+        while end > 0 and not self._piece(tokens[end - 1]).startswith(" "):
+            end -= 1
+        return list(tokens[:max(0, end - 1)])
+
     def transcribe(self, audios: Sequence[np.ndarray]) -> list[str]:
         """Blocking convenience: one window per clip (clips over 30 s are cut), batched."""
         return [text for text, _ in self.transcribe_heard(audios)]
@@ -572,6 +583,7 @@ class _Row:
     # per text token, then for the EOT that ended the row: the step's top HEARD_TOP (ids, logprobs); None once a loop
     # was cut (the tokens no longer line up with their steps)
     tops: list | None = field(default_factory=list)
+    draft: list | None = None  # text tokens to check in one pass at the row's first step (`Decoder.add`)
 
     def watch_loop(self) -> bool:
         """After each token: whether the row has been repeating one block since it held three copies of it, and is
@@ -611,15 +623,24 @@ class Decoder:
         self.last_logits: torch.Tensor | None = None
         # rows that ended on EOT in the last step: key -> `WhisperModel.heard_ending` of their transcript
         self.heard: dict[object, float | None] = {}
+        self.draft_tokens = self.draft_accepted = 0  # drafts' tokens checked, and those the decoder agreed with
 
     @torch.inference_mode()
     def add(self, encoded: torch.Tensor, keys: Sequence, caps: Sequence[int],
-            lengths: Sequence[int] | None = None) -> None:
-        """New rows: ``encoded`` [n, P, d] (row i's audio fills ``lengths[i]`` positions, default all P)."""
+            lengths: Sequence[int] | None = None, drafts: Sequence[Sequence[int] | None] | None = None) -> None:
+        """New rows: ``encoded`` [n, P, d] (row i's audio fills ``lengths[i]`` positions, default all P). A row's
+        draft (text tokens the transcript probably starts with, e.g. an earlier transcription of the same speech) is
+        checked at its first step, in one pass over all its tokens: the decoder keeps the longest start of it that it
+        would have chosen itself, token by token, and goes on from there, so the transcript is the one it would have
+        written without the draft, in fewer steps (`_check_draft`)."""
         n, p_new = encoded.shape[:2]
         limit = self.max_len - 2
         lengths = [p_new] * n if lengths is None else list(lengths)
         rows = [_Row(k, min(limit, c), ln) for k, c, ln in zip(keys, caps, lengths)]
+        for r, draft in zip(rows, drafts or ()):
+            draft = list(draft or ())[:r.cap - 1]
+            cut = next((j for j, t in enumerate(draft) if not 0 <= t < FIRST_SPECIAL), len(draft))
+            r.draft = draft[:cut] or None
 
         def split(x: torch.Tensor) -> torch.Tensor:
             return x.view(n, -1, self.heads, self.head_dim).transpose(1, 2)
@@ -681,7 +702,53 @@ class Decoder:
         pos = torch.tensor([r.pos for r in rows])
         self_mask = _additive_mask(pos + 1, self.self_k.shape[3], self.self_k.dtype)
         cross_mask = _additive_mask(torch.tensor([r.cross_len for r in rows]), self.cross_k.shape[3], torch.float32)
-        return ids.unsqueeze(1), pos, self_mask, cross_mask, self.self_k, self.self_v, self.cross_k, self.cross_v
+        return ids.unsqueeze(1), pos.unsqueeze(1), self_mask, cross_mask, self.self_k, self.self_v, self.cross_k, \
+            self.cross_v
+
+    def _check_draft(self, i: int) -> tuple[object, list[int], bool]:
+        """Row `i`'s first step with a draft: one pass over SOT, NO_TIMESTAMPS and the draft (causal, into the row's
+        self-attention cache), then the same decisions a step makes at each of those positions (no speech after SOT,
+        the suppressed tokens, the greedy token and its candidates). The draft's tokens are kept up to the first one
+        the decoder would not have chosen, which is replaced by its choice; the row goes on from there. The cache holds
+        keys and values past the kept tokens, which the length mask hides and later steps overwrite."""
+        m, r = self.model, self.rows[i]
+        draft, r.draft = r.draft, None
+        t = 2 + len(draft)
+        span = self.self_k.shape[3]
+        causal = torch.ones(t, span, dtype=torch.bool).tril_()
+        self_mask = torch.zeros(t, span, dtype=self.self_k.dtype).masked_fill_(~causal, float("-inf"))
+        cross_mask = _additive_mask(torch.tensor([r.cross_len]), self.cross_k.shape[3], torch.float32)
+        row = slice(i, i + 1)
+        with torch.jit.optimized_execution(False):
+            logits = m.draft_pass(torch.tensor([[SOT, NO_TIMESTAMPS, *draft]]), torch.arange(t).unsqueeze(0),
+                                  self_mask.view(1, 1, t, span), cross_mask, self.self_k[:, row], self.self_v[:, row],
+                                  self.cross_k[:, row], self.cross_v[:, row])
+        if self.no_speech_threshold is not None and \
+                logits[0].softmax(-1)[NO_SPEECH].item() > self.no_speech_threshold:
+            return r.key, r.tokens, True
+        logits = logits[1:].masked_fill_(m._suppress, float("-inf"))
+        logits[0].masked_fill_(m._suppress_begin, float("-inf"))
+        vals, idx, lse = kernels.top_candidates(logits, HEARD_TOP)
+        top_ids, top_lps = idx.tolist(), (vals - lse.unsqueeze(1)).tolist()
+        self.last_logits = logits
+        k = 0
+        while k < len(draft) and top_ids[k][0] == draft[k]:
+            k += 1
+        self.draft_tokens += len(draft)
+        self.draft_accepted += k
+        r.tokens, r.tops, r.pos = draft[:k], [(a, b) for a, b in zip(top_ids[:k + 1], top_lps[:k + 1])], 2 + k
+        tok = top_ids[k][0]
+        if tok == EOT:
+            self.heard[r.key] = m.heard_ending(r.tokens, r.tops)
+            return r.key, r.tokens, True
+        r.tokens.append(tok)
+        done = len(r.tokens) >= r.cap
+        if r.watch_loop():
+            del r.tokens[r.loop_at:]
+            self._cut_loop(r.tokens, r.loop_k)
+            r.tops = None
+            done = True
+        return r.key, r.tokens, done
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[int], bool]]:
@@ -690,6 +757,12 @@ class Decoder:
         rows, m = self.rows, self.model
         if not rows:
             return []
+        self.heard = {}
+        drafted = [i for i, r in enumerate(rows) if r.pos == 0 and r.draft]
+        if drafted:  # this step checks the new rows' drafts; the other rows step next time
+            out = [self._check_draft(i) for i in drafted]
+            self._keep([i for i, r in enumerate(rows) if i not in drafted or not out[drafted.index(i)][2]])
+            return out
         with torch.jit.optimized_execution(False):
             logits = m.decoder_pass(*self.pass_inputs())
         p_none = None  # <|nocaptions|> right after SOT: is there speech at all?
@@ -704,7 +777,6 @@ class Decoder:
         vals, idx, lse = kernels.top_candidates(logits, HEARD_TOP)
         top_ids, top_lps = idx.tolist(), (vals - lse.unsqueeze(1)).tolist()
         self.last_logits = logits  # [rows, vocab], suppressed tokens at -inf (for checks)
-        self.heard = {}
         out, keep = [], []
         for i, r in enumerate(rows):
             r.pos += 1
@@ -817,10 +889,11 @@ class _TailEncoderPass(torch.nn.Module):
 
 
 class _DecoderPass(torch.nn.Module):
-    """One decoder step for B rows, one token each: ``ids`` [B, 1] at positions ``pos`` [B]; writes their keys and
-    values into the self-attention caches (in place) and returns the fp32 logits [B, vocab]. Every row attends over
-    the whole cache and the whole cross-attention length, the masks hiding what it has not got, so one graph serves
-    every mix of positions and lengths."""
+    """One decoder pass for B rows of T tokens each: ``ids`` [B, T] at positions ``pos`` [B, T]; writes their keys and
+    values into the self-attention caches (in place) and returns the fp32 logits [B * T, vocab]. A step is T = 1 (one
+    token per row); a row's draft is checked with T = its length (`Decoder`). Every row attends over the whole cache
+    and the whole cross-attention length, the masks ([B, 1, T, cache] and [B, 1, 1, encoder positions]) hiding what it
+    has not got, so one graph serves every mix of positions and lengths."""
 
     def __init__(self, decoder, logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
@@ -831,14 +904,14 @@ class _DecoderPass(torch.nn.Module):
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, self_mask: torch.Tensor, cross_mask: torch.Tensor,
                 self_k: torch.Tensor, self_v: torch.Tensor, cross_k: torch.Tensor,
                 cross_v: torch.Tensor) -> torch.Tensor:
-        dec, b = self.decoder, ids.shape[0]
+        dec, b, t = self.decoder, ids.shape[0], ids.shape[1]
         heads, hd = self.heads, self.head_dim
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        x = dec.embed_tokens(ids) + dec.embed_positions.weight[pos].unsqueeze(1)
-        batch = torch.arange(b)
+        x = dec.embed_tokens(ids) + dec.embed_positions.weight[pos]
+        batch = torch.arange(b).unsqueeze(1)
 
         def split(y: torch.Tensor) -> torch.Tensor:
-            return y.view(b, 1, heads, hd).transpose(1, 2)
+            return y.view(b, t, heads, hd).transpose(1, 2)
         for i, layer in enumerate(dec.layers):
             a = layer.self_attn
             h = layer.self_attn_layer_norm(x)
@@ -846,18 +919,18 @@ class _DecoderPass(torch.nn.Module):
             # aten's index_put_, not `self_k[i, batch, :, pos] = ...`: Python's item assignment views the values to
             # the shape it saw, which a trace would keep for every batch size
             index = [batch, None, pos]
-            torch.ops.aten.index_put_(self_k[i], index, a.k_proj(h).view(b, heads, hd))
-            torch.ops.aten.index_put_(self_v[i], index, a.v_proj(h).view(b, heads, hd))
+            torch.ops.aten.index_put_(self_k[i], index, a.k_proj(h).view(b, t, heads, hd))
+            torch.ops.aten.index_put_(self_v[i], index, a.v_proj(h).view(b, t, heads, hd))
             o = sdpa(q, self_k[i], self_v[i], attn_mask=self_mask, scale=1.0)
-            x = x + a.out_proj(o.transpose(1, 2).reshape(b, 1, heads * hd))
+            x = x + a.out_proj(o.transpose(1, 2).reshape(b, t, heads * hd))
             c = layer.encoder_attn
             h = layer.encoder_attn_layer_norm(x)
             o = sdpa(split(c.q_proj(h) * c.scaling).float(), cross_k[i], cross_v[i], attn_mask=cross_mask,
                      scale=1.0).to(x.dtype)
-            x = x + c.out_proj(o.transpose(1, 2).reshape(b, 1, heads * hd))
+            x = x + c.out_proj(o.transpose(1, 2).reshape(b, t, heads * hd))
             h = layer.final_layer_norm(x)
             x = x + layer.fc2(layer.activation_fn(layer.fc1(h)))
-        return self.logits(dec.layer_norm(x)[:, -1])
+        return self.logits(dec.layer_norm(x).flatten(0, 1))
 
 
 def _additive_mask(lengths: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:

@@ -222,8 +222,11 @@ def server_batches(url: str) -> str:
     clips = max(1.0, sum(int(s) * float(n) for s, n in sizes))
     drafts = dict(re.findall(r'rtserve_spec_decode_num_(draft|accepted)_tokens(?:_total)? ([0-9.e+-]+)', text))
     verified = float(drafts.get("draft", 0))
+    whisper_drafts = dict(re.findall(r'rtserve_whisper_draft_(tokens|accepted_tokens)_total ([0-9.e+-]+)', text))
     return (", ".join(f"{s}×{int(float(n))}" for s, n in sizes) or "n/a") + \
         f"; decoder rows per step {mean_rows:.2f} over {float(dec.get('steps', 0)):.0f} steps" + \
+        f"; Whisper draft tokens kept/checked {float(whisper_drafts.get('accepted_tokens', 0)):.0f}/" + \
+        f"{float(whisper_drafts.get('tokens', 0)):.0f}" + \
         f"; speculative transcriptions used/started: {spec.get('used', '?')}/{spec.get('started', '?')}" + \
         f"; replies decoded during the pause adopted/started: {spec.get('adopted', '?')}/" + \
         f"{spec.get('pregenerated', '?')}" + \

@@ -106,6 +106,12 @@ class AudioCollector:
         yield CounterMetricFamily("rtserve_whisper_decode_rows",
                                   "Rows decoded, summed over Whisper decoder steps (rows / steps = mean batch).",
                                   value=tr["decode_rows"])
+        yield CounterMetricFamily("rtserve_whisper_draft_tokens",
+                                  "Tokens of drafts (earlier transcriptions of the same speech) Whisper's decoder "
+                                  "checked in one pass.", value=tr["draft_tokens"])
+        yield CounterMetricFamily("rtserve_whisper_draft_accepted_tokens",
+                                  "Draft tokens Whisper's decoder kept (each one decoder step saved).",
+                                  value=tr["draft_accepted"])
         yield GaugeMetricFamily("rtserve_whisper_max_decode_rows", "Largest Whisper decoder batch.",
                                 value=tr["max_decode_rows"])
         yield GaugeMetricFamily("rtserve_whisper_rtf", "Whisper compute seconds per audio second.", value=tr["rtf"])

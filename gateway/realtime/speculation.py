@@ -49,6 +49,10 @@ class Speculation:
         # the transcript's ending
         self._scored = end_of_turn_scored
         self._pending: tuple[Span, asyncio.Task] | None = None  # the pausing turn's transcription
+        # (speech start, tokens): what the next transcription of the turn that started there will probably start
+        # with: the last one's transcript less its last word (`Transcriber.transcribe`'s draft). A turn paused and went
+        # on, so its next pause's transcription checks those tokens in one pass instead of a decoder step each.
+        self._draft: tuple[int, list[int]] | None = None
         self._ended: Span | None = None  # the span whose transcription became the committed turn's
         self.pregen: Pregen | None = None  # the reply to that turn, decoding ahead
 
@@ -58,7 +62,9 @@ class Speculation:
 
         async def run() -> str:
             trace(self.name, "speculate", span)
-            text, heard = await self.stage.start().transcriber.transcribe_heard(audio_16k)
+            stream = self.stage.start().transcriber.transcribe(audio_16k, draft=self._draft_for(span[0]))
+            text, heard = await stream.result(), stream.heard
+            self._keep_draft(span[0], stream.draft)
             trace(self.name, "speculative transcript", (text, heard))
             if text.strip() and self._wants_reply(span):  # the LLM starts on it too, still during the pause
                 try:
@@ -77,6 +83,15 @@ class Speculation:
         self._pending = (span, asyncio.create_task(run(), name=f"{self.name}-speculate"))
         self._ended = None
         self.stage.speculations["started"] += 1
+
+    def _draft_for(self, start_ms: int) -> list[int] | None:
+        return self._draft[1] if self._draft is not None and self._draft[0] == start_ms else None
+
+    def _keep_draft(self, start_ms: int, draft: list[int] | None) -> None:
+        """A transcription of the turn that started at `start_ms` ended: its draft stands for the turn's next ones
+        (a longer one replaces a shorter)."""
+        if draft and not (self._draft is not None and self._draft[0] == start_ms and len(self._draft[1]) > len(draft)):
+            self._draft = (start_ms, draft)
 
     def _wants_reply(self, span: Span) -> bool:
         """The pausing turn `span` is still current (or ended on this pause) and will get an automatic response."""

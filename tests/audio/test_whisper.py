@@ -465,3 +465,64 @@ def test_a_guessed_ending_is_heard_with_less_certainty(model):
     (said_text, said_heard), (cut_text, cut_heard) = model.transcribe_heard([said, cut])
     assert [said_text, cut_text] == model.transcribe([said, cut])
     assert said_heard > 0.5 and said_heard > 1.5 * cut_heard, (said_text, said_heard, cut_text, cut_heard)
+
+
+def test_a_draft_is_checked_in_one_pass_and_changes_no_transcript(model, clips):
+    """A row's draft (an earlier transcription of the same speech) is checked in one pass: the decoder keeps the
+    longest start of it that it would have chosen itself and goes on from there. Whole, cut, wrong, out-of-vocabulary
+    or too long, the transcripts are those decoded without it; a whole one takes a single step."""
+    from audio.whisper import EOT
+
+    audios = [clips["piper"], clips["espeak"]]
+    enc = [model.encode(model.features([a])) for a in audios]
+
+    def decode(drafts, join_at=0):
+        dec, done, steps = model.decoder(), {}, 0
+        pending = [0, 1]
+        while dec.rows or pending:
+            if steps >= join_at and pending:
+                for k in pending:
+                    dec.add(enc[k], [k], [40], drafts=[drafts[k]])
+                pending = []
+            for key, toks, end in dec.step():
+                if end:
+                    done[key] = list(toks)
+            steps += 1
+        return done, steps, dec
+
+    plain, plain_steps, _ = decode([None, None])
+    assert all(plain.values())
+    hello = model.tokenizer.encode(" Hello", add_special_tokens=False).ids[0]
+    cases = {"whole": [plain[0], plain[1]], "cut": [plain[0][:3], plain[1][:2]],
+             "wrong": [[hello] + plain[0][1:], plain[1][::-1]], "specials": [[EOT, 1], [99999, -1]],
+             "too long": [plain[0] * 20, plain[1] * 20]}
+    for name, drafts in cases.items():
+        for join_at in (0, 2):
+            done, steps, dec = decode(drafts, join_at)
+            assert done == plain, (name, join_at)
+            assert dec.draft_accepted <= dec.draft_tokens
+    done, steps, dec = decode(cases["whole"])
+    assert steps == 1 < plain_steps and dec.draft_accepted == len(plain[0]) + len(plain[1])
+
+
+def test_a_draft_is_the_transcript_without_its_last_word(model):
+    def ids(text: str) -> list[int]:
+        return model.tokenizer.encode(text, add_special_tokens=False).ids
+
+    assert model.detokenize(model.draft_of(ids(" What is the capital of?"))) == " What is the capital"
+    assert model.detokenize(model.draft_of(ids(" who wrote Romido"))) == " who wrote"
+    assert model.draft_of(ids(" Hello.")) == [] and model.draft_of([]) == []
+
+
+async def test_a_transcription_drafts_the_next_one_of_the_same_speech(transcriber, clips):
+    """A transcription returns a draft for the same speech continued, which a later one checks in one pass: the same
+    transcript; and a request being encoded counts as in flight (what the engine and TTS yield to)."""
+    first = transcriber.transcribe(clips["piper"])
+    text = await first.result()
+    assert first.draft and text.startswith(transcriber.model.detokenize(first.draft).strip()), (text, first.draft)
+    before = transcriber.stats.draft_accepted
+    again = transcriber.transcribe(clips["piper"], draft=first.draft)
+    assert transcriber.inflight == 1
+    assert await again.result() == text and transcriber.stats.draft_accepted == before + len(first.draft)
+    assert transcriber.inflight == 0
+

@@ -292,3 +292,30 @@ async def test_openai_agents_session_through_an_early_end_and_its_repair(server)
     assert history[-1].type == "message" and history[-1].role == "assistant"
     assert counter(server, "repairs") == repairs + 1
     await server.wait_idle(pinned_ok=True)
+
+
+async def test_a_turn_that_paused_is_transcribed_again_from_a_draft(server):
+    """A turn that paused and went on: the next pause's transcription checks the first one's transcript, less its last
+    word, in one pass (`Transcriber.transcribe`'s draft) instead of a decoder step per token; the transcript is the
+    whole utterance, as without it."""
+    first, _, _ = utterance("Please send an email to", tail_ms=PAUSE_MS)
+    rest, _, _ = utterance("my manager about the meeting.", lead_ms=0, tail_ms=1000)
+
+    def drafts() -> tuple[float, float]:
+        lines = server.metrics_text().splitlines()
+        value = lambda n: next(float(x.split()[-1]) for x in lines if x.startswith(n + " "))  # noqa: E731
+        return value("rtserve_whisper_draft_tokens_total"), value("rtserve_whisper_draft_accepted_tokens_total")
+    checked_before, kept_before = drafts()
+    checks = counter(server, "end_checks")
+    raw = await open_voice(server, SESSION)
+    await raw.stream(first, PCM16)
+    await checked(server, checks)
+    await raw.stream(rest, PCM16)
+    events = await raw.until("response.done")
+    checked_now, kept_now = drafts()
+    assert checked_now > checked_before and kept_now > kept_before, (checked_now, kept_now)
+    done = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    assert wer("Please send an email to my manager about the meeting.", done["transcript"]) <= 0.25, \
+        done["transcript"]
+    await raw.ws.close()
+    await server.wait_idle(pinned_ok=True)
