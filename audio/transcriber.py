@@ -191,7 +191,6 @@ class Transcriber:
             self._cv.notify()
         return TranscriptionStream(req)
 
-
     @property
     def inflight(self) -> int:
         """Requests queued, being encoded or being decoded (approximate: read without the worker's lock)."""
@@ -199,11 +198,6 @@ class Transcriber:
 
     async def transcribe_text(self, audio_16k: np.ndarray) -> str:
         return await self.transcribe(audio_16k).result()
-
-    async def transcribe_heard(self, audio_16k: np.ndarray) -> tuple[str, float | None]:
-        """The transcript and Whisper's certainty of its ending (`WhisperModel.heard_ending`; None: unknown)."""
-        stream = self.transcribe(audio_16k)
-        return await stream.result(), stream.heard
 
     def close(self, timeout: float = 5.0) -> None:
         with self._cv:

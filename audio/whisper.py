@@ -455,6 +455,17 @@ class WhisperModel:
             piece = self._pieces[token] = self.tokenizer.decode([token], skip_special_tokens=True)
         return piece
 
+    def _last_word(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """(the last word's first token, where the trailing sentence-end punctuation starts: len(tokens) if none); the
+        first is -1 when no word comes before that punctuation."""
+        end = len(tokens)
+        while end > 0 and (piece := self._piece(tokens[end - 1]).strip()) and set(piece) <= _ENDING_CHARS:
+            end -= 1
+        start = end - 1  # the last one before `end` that starts a word
+        while start > 0 and not self._piece(tokens[start]).startswith(" "):
+            start -= 1
+        return start, end
+
     def heard_ending(self, tokens: Sequence[int], tops: Sequence[tuple[list[int], list[float]]]) -> float | None:
         """How sure Whisper was that the transcript ends as it does: P(its last word starts as written, in any case) ×
         P(a sentence ends right after the word: ".", "?", "!" or the end of the text), from the decoding steps' top
@@ -467,15 +478,9 @@ class WhisperModel:
         first token counts: the later pieces of a rare word or a name ("Okapuses") are uncertain in spelling, not in
         whether a word was said. The spellings of one ending ("sun." / "Sun." / "sun?") are summed, so a heard word is
         not doubted for its case or punctuation."""
-        n = len(tokens)
-        if len(tops) != n + 1:
+        if len(tops) != len(tokens) + 1:
             return None
-        end = n  # the trailing sentence-end punctuation starts here (n: none)
-        while end > 0 and (piece := self._piece(tokens[end - 1]).strip()) and set(piece) <= _ENDING_CHARS:
-            end -= 1
-        start = end - 1  # the last word's first token: the last one before `end` that starts a word
-        while start > 0 and not self._piece(tokens[start]).startswith(" "):
-            start -= 1
+        start, end = self._last_word(tokens)
         if start < 0:
             return None
         word = self._piece(tokens[start]).strip().lower()
@@ -489,12 +494,7 @@ class WhisperModel:
     def draft_of(self, tokens: Sequence[int]) -> list[int]:
         """What a transcription of the same speech continued probably starts with: the tokens without their trailing
         punctuation and their last word (where the clip was cut, a word is often cut too, and misheard)."""
-        end = len(tokens)
-        while end > 0 and (piece := self._piece(tokens[end - 1]).strip()) and set(piece) <= _ENDING_CHARS:
-            end -= 1
-        while end > 0 and not self._piece(tokens[end - 1]).startswith(" "):
-            end -= 1
-        return list(tokens[:max(0, end - 1)])
+        return list(tokens[:max(0, self._last_word(tokens)[0])])
 
     def transcribe(self, audios: Sequence[np.ndarray]) -> list[str]:
         """Blocking convenience: one window per clip (clips over 30 s are cut), batched."""
@@ -736,19 +736,26 @@ class Decoder:
             k += 1
         self.draft_tokens += len(draft)
         self.draft_accepted += k
-        r.tokens, r.tops, r.pos = draft[:k], [(a, b) for a, b in zip(top_ids[:k + 1], top_lps[:k + 1])], 2 + k
-        tok = top_ids[k][0]
-        if tok == EOT:
-            self.heard[r.key] = m.heard_ending(r.tokens, r.tops)
-            return r.key, r.tokens, True
-        r.tokens.append(tok)
-        done = len(r.tokens) >= r.cap
+        r.tokens, r.tops, r.pos = draft[:k], list(zip(top_ids[:k], top_lps[:k])), 2 + k
+        done = self._take(r, top_ids[k], top_lps[k])
+        return r.key, r.tokens, done
+
+    def _take(self, r: _Row, ids: list[int], logprobs: list[float]) -> bool:
+        """Row `r`'s step chose `ids[0]` (its top candidates `ids`, with `logprobs`): end it on EOT (with
+        `heard_ending`), else append the token; whether the row is done (EOT, its cap, or a loop cut back)."""
+        if r.tops is not None:
+            r.tops.append((ids, logprobs))
+        if ids[0] == EOT:
+            if r.tops is not None:
+                self.heard[r.key] = self.model.heard_ending(r.tokens, r.tops)
+            return True
+        r.tokens.append(ids[0])
         if r.watch_loop():
             del r.tokens[r.loop_at:]
             self._cut_loop(r.tokens, r.loop_k)
             r.tops = None
-            done = True
-        return r.key, r.tokens, done
+            return True
+        return len(r.tokens) >= r.cap
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[int], bool]]:
@@ -761,7 +768,8 @@ class Decoder:
         drafted = [i for i, r in enumerate(rows) if r.pos == 0 and r.draft]
         if drafted:  # this step checks the new rows' drafts; the other rows step next time
             out = [self._check_draft(i) for i in drafted]
-            self._keep([i for i, r in enumerate(rows) if i not in drafted or not out[drafted.index(i)][2]])
+            ended = {i for i, (_, _, done) in zip(drafted, out) if done}
+            self._keep([i for i in range(len(rows)) if i not in ended])
             return out
         with torch.jit.optimized_execution(False):
             logits = m.decoder_pass(*self.pass_inputs())
@@ -786,21 +794,7 @@ class Decoder:
                     continue
                 keep.append(i)
                 continue
-            tok = top_ids[i][0]
-            if r.tops is not None:
-                r.tops.append((top_ids[i], top_lps[i]))
-            if tok == EOT:
-                if r.tops is not None:
-                    self.heard[r.key] = m.heard_ending(r.tokens, r.tops)
-                out.append((r.key, r.tokens, True))
-                continue
-            r.tokens.append(tok)
-            done = len(r.tokens) >= r.cap
-            if r.watch_loop():
-                del r.tokens[r.loop_at:]
-                self._cut_loop(r.tokens, r.loop_k)
-                r.tops = None
-                done = True
+            done = self._take(r, top_ids[i], top_lps[i])
             out.append((r.key, r.tokens, done))
             if not done:
                 keep.append(i)
