@@ -102,6 +102,18 @@ def _parse_part(part: Any, param: str, allowed: tuple[str, ...]) -> dict:
     return out
 
 
+# What an id that names no item is refused with, per client event: OpenAI's codes, which clients key on (pipecat fails
+# its retrieve_conversation_item future on item_retrieve_invalid_item_id and takes any other error as fatal to the
+# connection; openai-agents and others treat the delete and truncate ones as harmless races).
+MISSING_ITEM = {
+    "retrieve": ("item_retrieve_invalid_item_id", "retrieving item"),
+    "delete": ("item_delete_invalid_item_id", "deleting item"),
+    "truncate": ("item_truncate_invalid_item_id", "truncating item"),
+    "create": ("item_create_invalid_previous_item_id", "adding item: the previous item"),
+    "reference": ("item_not_found", "reading response.input"),
+}
+
+
 class Conversation:
     """The ordered items of the default conversation (`conv_…`)."""
 
@@ -112,11 +124,14 @@ class Conversation:
     def __contains__(self, item_id: str) -> bool:
         return any(it.id == item_id for it in self.items)
 
-    def get(self, item_id: str, param: str = "item_id") -> Item:
+    def get(self, item_id: str, op: str, param: str = "item_id") -> Item:
+        """The item `item_id` names, for the client event `op` (a key of MISSING_ITEM, which says how to refuse an
+        id that names none)."""
         for item in self.items:
             if item.id == item_id:
                 return item
-        raise p.ProtocolError(f"Item with item_id not found: {item_id}", "item_not_found", param)
+        code, doing = MISSING_ITEM[op]
+        raise p.ProtocolError(f"Error {doing}: the item with id '{item_id}' does not exist.", code, param)
 
     def insert(self, item: Item, previous_item_id: str | None = None) -> str | None:
         """Append, insert first ("root"), or insert after `previous_item_id`; returns the id now before `item`."""
@@ -128,13 +143,13 @@ class Conversation:
         elif previous_item_id == "root":
             index = 0
         else:
-            self.get(previous_item_id, "previous_item_id")
+            self.get(previous_item_id, "create", "previous_item_id")
             index = next(i for i, it in enumerate(self.items) if it.id == previous_item_id) + 1
         self.items.insert(index, item)
         return self.items[index - 1].id if index > 0 else None
 
     def delete(self, item_id: str) -> None:
-        self.items.remove(self.get(item_id))
+        self.items.remove(self.get(item_id, "delete"))
 
 
 def truncate_part(item: Item, content_index: int, audio_end_ms: int) -> None:

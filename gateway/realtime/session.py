@@ -282,7 +282,7 @@ class RealtimeSession:
 
     def _on_item_retrieve(self, event: dict) -> None:
         p.check_known(event, {"type", "event_id", "item_id"}, "")
-        item = self.conversation.get(p.get_str(event, "item_id", "item_id", required=True))
+        item = self.conversation.get(p.get_str(event, "item_id", "item_id", required=True), "retrieve")
         self.send({"type": "conversation.item.retrieved", "item": item.to_dict(include_audio=True)})
 
     def _on_item_truncate(self, event: dict) -> None:
@@ -290,7 +290,7 @@ class RealtimeSession:
         item_id = p.get_str(event, "item_id", "item_id", required=True)
         index = p.get_int(event, "content_index", "content_index", required=True, lo=0)
         end_ms = p.get_int(event, "audio_end_ms", "audio_end_ms", required=True, lo=0)
-        item = self.conversation.get(item_id)
+        item = self.conversation.get(item_id, "truncate")
         if item.type != "message" or item.role != "assistant":
             raise p.ProtocolError("Only assistant messages can be truncated.", "invalid_value", "item_id")
         resp = self.active
@@ -308,7 +308,7 @@ class RealtimeSession:
         if self.closed.is_set():
             return
         try:
-            self.conversation.get(item.id)
+            self.conversation.get(item.id, "truncate")
             self._truncate(item, index, end_ms)
         except p.ProtocolError as err:
             self.send(p.error_event(err, event_id))
@@ -566,7 +566,7 @@ class RealtimeSession:
         for i, raw in enumerate(raw_items):
             if isinstance(raw, dict) and raw.get("type") == "item_reference":
                 items.append(self.conversation.get(p.get_str(raw, "id", f"response.input[{i}].id", required=True),
-                                                   f"response.input[{i}].id"))
+                                                   "reference", f"response.input[{i}].id"))
             else:
                 item = parse_item(raw, f"response.input[{i}]")
                 lim.check_item(item, f"response.input[{i}]", self.limits.max_item_bytes)

@@ -194,17 +194,18 @@ async def test_errors_each_answered_once_and_session_continues(server):
     await expect_error(raw, {"type": "response.cancel", "event_id": "e10"}, "response_cancel_not_active", None,
                        "e10")
     await expect_error(raw, {"type": "conversation.item.delete", "event_id": "e11", "item_id": "item_nope"},
-                       "item_not_found", "item_id", "e11")
+                       "item_delete_invalid_item_id", "item_id", "e11")
     await expect_error(raw, {"type": "conversation.item.retrieve", "event_id": "e12", "item_id": "item_nope"},
-                       "item_not_found", "item_id", "e12")
+                       "item_retrieve_invalid_item_id", "item_id", "e12")
     await expect_error(raw, {"type": "conversation.item.truncate", "event_id": "e13", "item_id": "item_nope",
-                             "content_index": 0, "audio_end_ms": 0}, "item_not_found", "item_id", "e13")
+                             "content_index": 0, "audio_end_ms": 0}, "item_truncate_invalid_item_id", "item_id",
+                       "e13")
     await expect_error(raw, {"type": "conversation.item.truncate", "event_id": "e14", "item_id": "x",
                              "content_index": "0", "audio_end_ms": 0}, "invalid_type", "content_index", "e14")
     await expect_error(raw, {"type": "conversation.item.create", "event_id": "e15", "previous_item_id": "item_nope",
                              "item": {"type": "message", "role": "user",
                                       "content": [{"type": "input_text", "text": "hi"}]}},
-                       "item_not_found", "previous_item_id", "e15")
+                       "item_create_invalid_previous_item_id", "previous_item_id", "e15")
     await expect_error(raw, {"type": "input_audio_buffer.append", "event_id": "e16", "audio": ""},
                        "invalid_value", "audio", "e16")
     big = '{"type": "input_audio_buffer.append", "event_id": "e17", "audio": "' + "A" * MAX_FRAME_BYTES + '"}'
