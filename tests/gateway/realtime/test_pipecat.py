@@ -12,7 +12,8 @@ schemas and sent it no error it does not expect. What is checked is what a pipec
   (pipecat matches OpenAI's error code `item_retrieve_invalid_item_id` and the event_id it chose): the connection goes
   on, and the next retrieve answers;
 - a tool call: pipecat runs its registered function on the call's arguments, sends the result, and the reply to it is
-  spoken.
+  spoken;
+- barge-in: the user speaks over the bot, and pipecat's truncate of the reply it was playing keeps what was heard.
 """
 from __future__ import annotations
 
@@ -109,12 +110,11 @@ def speech_frames(pcm: bytes) -> list[InputAudioRawFrame]:
             for i in range(0, len(pcm), step)]
 
 
-def spoken(frames: Frames, since: int) -> tuple[int, str]:
-    """Bytes of reply audio and the reply's transcript text among the frames seen after index `since`."""
-    later = [f for _, f in frames.seen[since:]]
-    audio = [f for f in later if isinstance(f, TTSAudioRawFrame)]
+def spoken(seen: list[tuple[str, Frame]]) -> tuple[int, str]:
+    """Bytes of reply audio and the reply's transcript text among these frames (`Frames.seen` or a slice of it)."""
+    audio = [f for _, f in seen if isinstance(f, TTSAudioRawFrame)]
     assert all(f.sample_rate == RATE and f.num_channels == 1 for f in audio)
-    return sum(len(f.audio) for f in audio), "".join(f.text for f in later if isinstance(f, TTSTextFrame))
+    return sum(len(f.audio) for f in audio), "".join(f.text for _, f in seen if isinstance(f, TTSTextFrame))
 
 
 @pytest.mark.slow
@@ -127,7 +127,7 @@ async def test_pipecat_voice_bot_speaks_first_then_answers_a_spoken_question(ser
     async with pipecat_bot(server, "You are a helpful assistant. Greet the user in a few words.") as (
             service, worker, frames):
         await frames.until(lambda f: len(f.of(LLMFullResponseEndFrame)) == 1)   # the greeting
-        greeting_bytes, greeting_text = spoken(frames, 0)
+        greeting_bytes, greeting_text = spoken(frames.seen)
         assert greeting_bytes > RATE // 5 and greeting_text.strip()
         mark = len(frames.seen)
 
@@ -136,7 +136,7 @@ async def test_pipecat_voice_bot_speaks_first_then_answers_a_spoken_question(ser
         await frames.until(lambda f: len(f.of(LLMFullResponseEndFrame)) == 2 and f.of(TranscriptionFrame, "up"))
         [heard] = frames.of(TranscriptionFrame, "up")
         assert wer(ASK, heard.text) <= 0.2, heard.text
-        answer_bytes, answer_text = spoken(frames, mark)
+        answer_bytes, answer_text = spoken(frames.seen[mark:])
         assert answer_bytes > RATE // 5 and answer_text.strip()
         assert counter(server, "early_ends") == early + 1
 
@@ -189,6 +189,41 @@ async def test_pipecat_function_call_round_trip(server):
         await frames.until(lambda f: service.settings.session_properties.tool_choice == "none")
         await worker.queue_frame(LLMContextFrame(context), FrameDirection.UPSTREAM)
         await frames.until(lambda f: len(f.of(LLMFullResponseEndFrame)) == 2)
-        answer_bytes, answer_text = spoken(frames, mark)
+        answer_bytes, answer_text = spoken(frames.seen[mark:])
         assert answer_bytes > RATE // 5 and answer_text.strip()
         assert len(calls) == len(frames.of(FunctionCallResultFrame, "down"))   # no call after tool_choice none
+
+
+@pytest.mark.slow
+async def test_pipecat_barge_in(server):
+    """The user speaks over the bot's story, in real time as a transport delivers it: the server cancels the reply,
+    pipecat truncates the item it was playing (its own `conversation.item.truncate`, audio_end_ms from its clock), so
+    the item keeps the start of its transcript that was heard; and the new turn is transcribed and answered. No error
+    reaches pipecat on the way."""
+    pcm, _, _ = utterance(ASK, lead_ms=0, tail_ms=PAUSE_MS)
+    async with pipecat_bot(server, "You are a storyteller. Tell a long story about the sea.",
+                           max_output_tokens=96) as (service, worker, frames):
+        created: list = []
+
+        @service.event_handler("on_conversation_item_created")
+        async def _created(service, item_id, item):
+            created.append(item)
+
+        await frames.until(lambda f: f.of(TTSAudioRawFrame))   # the bot speaks
+        [story] = [item for item in created if item.role == "assistant"]
+        await asyncio.sleep(2.0)   # and the user listens a while
+        for frame in speech_frames(pcm):
+            await worker.queue_frame(frame)
+            await asyncio.sleep(0.02)
+        await frames.until(lambda f: len(f.of(LLMFullResponseEndFrame)) == 2 and f.of(TranscriptionFrame, "up"))
+        [heard] = frames.of(TranscriptionFrame, "up")
+        assert wer(ASK, heard.text) <= 0.2, heard.text
+
+        first_end = next(i for i, (_, f) in enumerate(frames.seen) if isinstance(f, LLMFullResponseEndFrame))
+        _, told = spoken(frames.seen[:first_end])
+        cut = await asyncio.wait_for(service.retrieve_conversation_item(story.id), 30)
+        assert cut.status == "incomplete", cut   # cancelled by the barge-in
+        [part] = cut.content
+        heard_part = part.transcript.strip()
+        assert heard_part and told.startswith(heard_part) and len(heard_part) < len(told.strip()), (heard_part, told)
+        assert not frames.of(ErrorFrame)
