@@ -24,7 +24,7 @@ import numpy as np
 import kernels
 from kernels import settings
 
-from .whisper import SAMPLE_RATE, WINDOW_SAMPLES, WhisperModel, get_whisper
+from .whisper import SAMPLE_RATE, WINDOW_SAMPLES, TokenLogprob, WhisperModel, get_whisper
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ class _Request:
     heard: float | None = None  # Whisper's certainty of the last window's ending (WhisperModel.heard_ending)
     draft: list | None = None  # tokens the transcript probably starts with (its first window's; Decoder.add)
     draft_out: list | None = None  # once done: a draft for the same speech continued (WhisperModel.draft_of)
+    # the finished windows' tokens with their logprobs (WhisperModel.token_logprobs); None once a window had none
+    logprobs: list[TokenLogprob] | None = field(default_factory=list)
     emitted: str = ""  # text already sent as deltas
     cancelled: bool = False
     finished: bool = False
@@ -106,6 +108,8 @@ class TranscriptionStream:
         self.heard: float | None = None  # once done: how sure Whisper was of the transcript's ending (None: unknown)
         # once done: a draft for a transcription of the same speech continued (`Transcriber.transcribe`'s `draft`)
         self.draft: list[int] | None = None
+        # once done: the transcript's tokens with their logprobs (None: not known, a decoding loop was cut)
+        self.logprobs: list[TokenLogprob] | None = None
 
     def __aiter__(self) -> "TranscriptionStream":
         return self
@@ -118,8 +122,8 @@ class TranscriptionStream:
         except BaseException:
             self._req.cancelled = True  # CancelledError and friends: drop the request
             raise
-        if isinstance(item, tuple):  # ("final", text, heard, draft)
-            _, self.text, self.heard, self.draft = item
+        if isinstance(item, tuple):  # ("final", text, heard, draft, logprobs)
+            _, self.text, self.heard, self.draft, self.logprobs = item
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.text = ""
@@ -307,6 +311,9 @@ class Transcriber:
             if done:
                 r.text_done = text
                 r.heard, r.draft_out = decoder.heard.get(r), model.draft_of(tokens)
+                logprobs = decoder.logprobs.get(r, None if tokens else [])
+                r.logprobs = None if r.logprobs is None or logprobs is None else \
+                    r.logprobs + model.token_logprobs(tokens, logprobs)
                 r.window += 1
                 self._active.remove(r)
                 if r.window < len(r.windows) and not r.cancelled:  # its next window joins at the next admission
@@ -331,4 +338,4 @@ class Transcriber:
             r.send(text[len(r.emitted) :])
             r.emitted = text
         if final:
-            r.send(("final", text, r.heard, r.draft_out))
+            r.send(("final", text, r.heard, r.draft_out, r.logprobs))

@@ -69,6 +69,14 @@ _ENDING_CHARS = frozenset(".?!…\"'”’)")  # what may close a sentence (a "%
 _CT2_DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16, 5: "bfloat16"}
 
 
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """One token of a transcript (its id and its text) and the log-probability the decoder gave it when it chose it."""
+    id: int
+    token: str
+    logprob: float
+
+
 class WhisperLoadError(RuntimeError):
     """The packaged Whisper model is missing or does not match what we expect."""
 
@@ -491,6 +499,11 @@ class WhisperModel:
                     if t == EOT or ((piece := self._piece(t).strip()) and set(piece) <= _ENDING_CHARS))
         return min(1.0, p_word * p_end)
 
+    def token_logprobs(self, tokens: Sequence[int], logprobs: Sequence[float]) -> list[TokenLogprob]:
+        """Each text token as it reads in the transcript (a word's first piece with its leading space), with its
+        logprob (`Decoder.logprobs`)."""
+        return [TokenLogprob(t, self._piece(t), lp) for t, lp in zip(tokens, logprobs)]
+
     def draft_of(self, tokens: Sequence[int]) -> list[int]:
         """What a transcription of the same speech continued probably starts with: the tokens without their trailing
         punctuation and their last word (where the clip was cut, a word is often cut too, and misheard)."""
@@ -623,6 +636,9 @@ class Decoder:
         self.last_logits: torch.Tensor | None = None
         # rows that ended on EOT in the last step: key -> `WhisperModel.heard_ending` of their transcript
         self.heard: dict[object, float | None] = {}
+        # rows that ended in the last step with text: key -> the logprob of each of their tokens, as the step that
+        # chose it saw it (None when a loop was cut: the tokens no longer line up with their steps)
+        self.logprobs: dict[object, list[float] | None] = {}
         self.draft_tokens = self.draft_accepted = 0  # drafts' tokens checked, and those the decoder agreed with
 
     @torch.inference_mode()
@@ -748,14 +764,19 @@ class Decoder:
         if ids[0] == EOT:
             if r.tops is not None:
                 self.heard[r.key] = self.model.heard_ending(r.tokens, r.tops)
-            return True
+            return self._ended(r)
         r.tokens.append(ids[0])
         if r.watch_loop():
             del r.tokens[r.loop_at:]
             self._cut_loop(r.tokens, r.loop_k)
             r.tops = None
-            return True
-        return len(r.tokens) >= r.cap
+            return self._ended(r)
+        return len(r.tokens) >= r.cap and self._ended(r)
+
+    def _ended(self, r: _Row) -> bool:
+        """Row `r` is done: keep its tokens' logprobs (each the greedy choice's, the first of its step's candidates)."""
+        self.logprobs[r.key] = None if r.tops is None else [lps[0] for _, lps in r.tops[:len(r.tokens)]]
+        return True
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[int], bool]]:
@@ -764,7 +785,7 @@ class Decoder:
         rows, m = self.rows, self.model
         if not rows:
             return []
-        self.heard = {}
+        self.heard, self.logprobs = {}, {}
         drafted = [i for i, r in enumerate(rows) if r.pos == 0 and r.draft]
         if drafted:  # this step checks the new rows' drafts; the other rows step next time
             out = [self._check_draft(i) for i in drafted]

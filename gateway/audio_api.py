@@ -4,11 +4,13 @@ Both run on the app's shared `AudioStage`, the same batched Whisper worker and T
 an upload's windows join the decoder batch beside live turns, and speech steps go through the TTS deadline scheduler.
 
 Transcriptions take a multipart form (`file`, `model`, `language`, `prompt`, `response_format`, `temperature`,
-`stream`, `timestamp_granularities[]`). The file is read by soundfile (wav, flac, ogg, mp3, ...), or taken as raw
-pcm16 little-endian mono when its content type is `audio/pcm` (`;rate=N`, default 24000, the Realtime default) or its
-name ends in `.pcm` / `.raw`. Every check (size, decodable, rate, length) runs before anything is queued on the stage.
-Segments are Whisper's 30 s windows: our decoder suppresses timestamp tokens, so a window is the finest timing we
-have; `avg_logprob` and `no_speech_prob` are not computed and read 0.
+`stream`, `timestamp_granularities[]`, `include[]`). The file is read by soundfile (wav, flac, ogg, mp3, ...), or taken
+as raw pcm16 little-endian mono when its content type is `audio/pcm` (`;rate=N`, default 24000, the Realtime default)
+or its name ends in `.pcm` / `.raw`. Every check (size, decodable, rate, length) runs before anything is queued on the
+stage. `include[]=logprobs` (response_format json) adds the transcript's tokens with the logprob the greedy decoder
+chose each with (`logprobs`; streamed: in `transcript.text.done`). Segments are Whisper's 30 s windows: our decoder
+suppresses timestamp tokens, so a window is the finest timing we have; a segment's `tokens` and `avg_logprob` are its
+decoded tokens' ids and mean logprob, and `no_speech_prob` is not computed and reads 0.
 
 Speech takes a JSON body (`input`, `model`, `voice`, `response_format`, `speed`, `stream_format`, `instructions`).
 The body streams as the TTS makes the audio (`stream_format` "audio": the encoded bytes, chunked; "sse":
@@ -39,6 +41,7 @@ from audio.transcriber import TranscriptionError, TranscriptionStream
 from audio.tts import MAX_SPEED, MIN_SPEED, SpeechClock, TTSError
 from audio.whisper import SAMPLE_RATE, WINDOW_SAMPLES
 from gateway.http_api import HTTPError, endpoint, json_response, read_capped, unless_gone
+from gateway.http_logprobs import transcript_entries
 
 MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's own limit for an audio upload
 MAX_AUDIO_SECONDS = 300.0  # ten Whisper windows: longer audio would hold the shared worker for too long
@@ -58,7 +61,7 @@ VOICES = ("joe", "alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "no
           "marin", "cedar")
 TRANSCRIPTION_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 TRANSCRIPTION_FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "stream",
-                        "timestamp_granularities[]", "chunking_strategy"}
+                        "timestamp_granularities[]", "chunking_strategy", "include[]", "include"}
 SPEECH_FIELDS = {"input", "model", "voice", "response_format", "speed", "stream_format", "instructions"}
 RAW_PCM_TYPES = ("audio/pcm", "audio/l16", "audio/raw")
 
@@ -110,6 +113,7 @@ class TranscriptionRequest:
     duration: float
     response_format: str = "json"
     stream: bool = False
+    logprobs: bool = False  # include[]=logprobs: the transcript's tokens with their logprobs
 
 
 async def _form(request: Request):
@@ -261,12 +265,20 @@ async def _transcription_request(request: Request) -> TranscriptionRequest:
         chunking = _form_str(form, "chunking_strategy")
         if chunking not in (None, "auto"):
             raise _bad("Only chunking_strategy 'auto' is supported.", "chunking_strategy", "unsupported_value")
+        include = [str(v) for key in ("include[]", "include") for v in form.getlist(key)]
+        for value in include:
+            if value != "logprobs":
+                raise _bad(f"Invalid value for 'include[]': only 'logprobs' is supported, got {value[:40]!r}.",
+                           "include[]", "unsupported_value")
+        if include and fmt != "json":
+            raise _bad(f"'include[]': logprobs come with response_format json only, not {fmt}.", "include[]",
+                       "unsupported_value")
         _form_str(form, "prompt")  # accepted (OpenAI clients send it); tiny.en's decoding here takes no prompt
         data = await upload.read()
         audio, duration = await asyncio.to_thread(decode_upload, data, upload.filename, upload.content_type)
     finally:
         await form.close()
-    return TranscriptionRequest(audio, duration, fmt, stream)
+    return TranscriptionRequest(audio, duration, fmt, stream, bool(include))
 
 
 def _transcribe(request: Request, audio: np.ndarray) -> TranscriptionStream:
@@ -286,16 +298,19 @@ async def _segments(request: Request, audio: np.ndarray) -> list[dict]:
         for s in streams:
             await s.aclose()
     segments = []
-    for i, text in zip(starts, texts):
+    for i, text, stream in zip(starts, texts, streams):
         text = text.strip()
         if not text:
             continue
         raw = text.encode()
+        tokens = stream.logprobs or []
         segments.append({"id": len(segments), "seek": i * 100 // SAMPLE_RATE, "start": i / SAMPLE_RATE,
-                         "end": min(len(audio), i + WINDOW_SAMPLES) / SAMPLE_RATE, "text": text, "tokens": [],
-                         "temperature": 0.0, "avg_logprob": 0.0,
+                         "end": min(len(audio), i + WINDOW_SAMPLES) / SAMPLE_RATE, "text": text,
+                         "tokens": [t.id for t in tokens], "temperature": 0.0,
+                         "avg_logprob": round(sum(t.logprob for t in tokens) / len(tokens), 5) if tokens else 0.0,
                          "compression_ratio": round(len(raw) / len(zlib.compress(raw)), 3), "no_speech_prob": 0.0})
     return segments
+
 
 
 def _timestamp(seconds: float, sep: str) -> str:
@@ -316,11 +331,12 @@ def _sse(event: dict) -> bytes:
     return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
-async def _transcript_events(stream: TranscriptionStream):
+async def _transcript_events(stream: TranscriptionStream, logprobs: bool):
     try:
         async for delta in stream:
             yield _sse({"type": "transcript.text.delta", "delta": delta})
-        yield _sse({"type": "transcript.text.done", "text": stream.text or ""})
+        done = {"type": "transcript.text.done", "text": stream.text or ""}
+        yield _sse(done | {"logprobs": transcript_entries(stream.logprobs)} if logprobs else done)
     except TranscriptionError as exc:
         yield _sse({"type": "error", "error": {"message": str(exc), "type": "server_error", "param": None,
                                                 "code": exc.code}})
@@ -333,8 +349,8 @@ async def transcriptions(request: Request) -> Response:
     req = await _transcription_request(request)
     usage = {"type": "duration", "seconds": round(req.duration, 3)}
     if req.stream:
-        return StreamingResponse(_transcript_events(_transcribe(request, req.audio)), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(_transcript_events(_transcribe(request, req.audio), req.logprobs),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     if req.response_format in ("json", "text"):
         stream = _transcribe(request, req.audio)
         try:
@@ -345,6 +361,8 @@ async def transcriptions(request: Request) -> Response:
             await stream.aclose()
         if req.response_format == "text":
             return Response(text + "\n", media_type="text/plain")
+        if req.logprobs:
+            return json_response({"text": text, "logprobs": transcript_entries(stream.logprobs), "usage": usage})
         return json_response({"text": text, "usage": usage})
     try:
         segments = await unless_gone(request, _segments(request, req.audio))

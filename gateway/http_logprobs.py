@@ -1,4 +1,5 @@
-"""Engine logprobs -> OpenAI's shapes: chat's `logprobs.content` entries and the legacy completions object.
+"""Engine logprobs -> OpenAI's shapes: chat's `logprobs.content` entries and the legacy completions object; and
+Whisper's transcript tokens -> a transcription's `logprobs` (HTTP `include[]=logprobs`, Realtime's `include`).
 
 The engine gives, per output token, (the chosen token's logprob, [(token id, logprob)] of the top n) from the model's
 raw distribution (engine/sampler.py). A token's text is that token decoded alone, as vLLM reports it (a byte-level
@@ -45,3 +46,9 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[tuple], 
         out["text_offset"].append(offset)
         offset += len(text)
     return out, offset
+
+
+def transcript_entries(tokens) -> list[dict]:
+    """A transcription's `logprobs` (openai.types.audio.transcription.Logprob, Realtime's LogProbProperties) from
+    `audio.whisper.TokenLogprob`s."""
+    return [{"token": t.token, "logprob": _lp(t.logprob), "bytes": list(t.token.encode())} for t in tokens or ()]

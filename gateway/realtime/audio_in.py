@@ -27,6 +27,7 @@ from audio.resample import resample
 from audio.stage import AudioStage
 from audio.transcriber import TranscriptionError
 from audio.vad import StreamingVAD, semantic_vad_silence_ms
+from gateway.http_logprobs import transcript_entries
 from gateway.realtime import protocol as p
 from gateway.realtime import turn_detection
 from gateway.realtime.conversation import Item
@@ -122,6 +123,8 @@ class AudioInput:
         self.speech_item_id: str | None = None  # announced in speech_started, used by the item it commits
         self.idle_anchor_ms: int | None = None  # input timeline ms when the last reply stopped playing
         self.transcripts: dict[str, asyncio.Task] = {}
+        # completed transcriptions list their tokens' logprobs (session include: item.input_audio_transcription.logprobs)
+        self.logprobs = False
         self._ops: asyncio.Queue = asyncio.Queue()
         self._worker: asyncio.Task | None = None
         self._running = False
@@ -192,9 +195,11 @@ class AudioInput:
         self.transcripts.clear()
 
     # --------------------------------------------------------------------------------------------- the ops
-    def configure(self, config: dict) -> None:
-        """Follow session.update (`config` = the new `audio.input`) in order with the audio already queued."""
+    def configure(self, config: dict, logprobs: bool = False) -> None:
+        """Follow session.update (`config` = the new `audio.input`; `logprobs`: whether the session's include asks for
+        transcription logprobs) in order with the audio already queued."""
         async def op():
+            self.logprobs = logprobs
             self.buf.set_format(parse_audio_format(config["format"]))
             if config["turn_detection"] != self.turn:
                 self.turn = config["turn_detection"]
@@ -409,7 +414,7 @@ class AudioInput:
         ids = {"item_id": item.id, "content_index": index}
         try:
             if early is not None:  # transcribed during the pause that ended the turn: same audio, same text
-                text = await early
+                text, logprobs = await early
                 if text:
                     self.send({"type": "conversation.item.input_audio_transcription.delta", **ids, "delta": text})
             else:
@@ -418,11 +423,14 @@ class AudioInput:
                     async for delta in stream:
                         self.send({"type": "conversation.item.input_audio_transcription.delta", **ids,
                                    "delta": delta})
-                text = stream.text or ""
+                text, logprobs = stream.text or "", stream.logprobs
             part["transcript"] = text
-            self.send({"type": "conversation.item.input_audio_transcription.completed", **ids,
-                       "transcript": part["transcript"],
-                       "usage": {"type": "duration", "seconds": round(len(audio_16k) / 16000, 3)}})
+            done = {"type": "conversation.item.input_audio_transcription.completed", **ids,
+                    "transcript": part["transcript"],
+                    "usage": {"type": "duration", "seconds": round(len(audio_16k) / 16000, 3)}}
+            if self.logprobs:  # the session's include asks for them
+                done["logprobs"] = transcript_entries(logprobs)
+            self.send(done)
         except TranscriptionError as exc:
             part["transcript"] = ""
             self.send({"type": "conversation.item.input_audio_transcription.failed", **ids,

@@ -246,8 +246,11 @@ class RealtimeSession:
         update = p.get_dict(event, "session", "session", required=True)
         self.config = sc.apply_update(self.config, update, self.dialect)
         if self.audio_in is not None:
-            self.audio_in.configure(self.config["audio"]["input"])
+            self.audio_in.configure(self.config["audio"]["input"], self._transcript_logprobs())
         self.send({"type": "session.updated", "session": sc.render(self.config, self.dialect)})
+
+    def _transcript_logprobs(self) -> bool:
+        return sc.TRANSCRIPT_LOGPROBS in (self.config.get("include") or ())
 
     def _on_item_create(self, event: dict) -> None:
         p.check_known(event, {"type", "event_id", "item", "previous_item_id"}, "")
@@ -533,6 +536,7 @@ class RealtimeSession:
                                            end_of_turn_scored=self.turn_detector.text_scored)
             self.audio_in = AudioInput(self.config["audio"]["input"], self.send, self, self.audio, self.id,
                                        pause_ms=SPECULATE_AFTER_MS)
+            self.audio_in.logprobs = self._transcript_logprobs()
         return self.audio_in
 
     def _check_audio_parts(self, item: Item, param: str = "item") -> bool:

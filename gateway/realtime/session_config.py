@@ -304,13 +304,16 @@ def check_truncation(value: Any, param: str) -> str | dict:
     return value
 
 
+TRANSCRIPT_LOGPROBS = "item.input_audio_transcription.logprobs"  # include: transcriptions list their tokens' logprobs
+
+
 def check_include(value: Any, param: str) -> list | None:
     if value is None:
         return None
     if not isinstance(value, list):
         raise p.wrong_type(param, "an array or null", value)
     for i, entry in enumerate(value):
-        p.check_choice(entry, f"{param}[{i}]", ("item.input_audio_transcription.logprobs",))
+        p.check_choice(entry, f"{param}[{i}]", (TRANSCRIPT_LOGPROBS,))
     return value
 
 

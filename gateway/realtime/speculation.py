@@ -60,7 +60,7 @@ class Speculation:
         """A pause (AudioInput's `paused` event): transcribe the turn up to it, then start on the reply."""
         self.drop()
 
-        async def run() -> str:
+        async def run() -> tuple[str, list | None]:
             trace(self.name, "speculate", span)
             stream = self.stage.start().transcriber.transcribe(audio_16k, draft=self._draft_for(span[0]))
             text, heard = await stream.result(), stream.heard
@@ -79,7 +79,7 @@ class Speculation:
                         pre.on_end_of_turn(lambda logprob, p_end: self._scored(span, logprob, p_end, heard))
                 elif pre is not None:
                     pre.cancel()
-            return text
+            return text, stream.logprobs
         self._pending = (span, asyncio.create_task(run(), name=f"{self.name}-speculate"))
         self._ended = None
         self.stage.speculations["started"] += 1
@@ -100,8 +100,8 @@ class Speculation:
         return self._ended == span and self._reply_wanted(True)
 
     def take_transcript(self, span: Span) -> asyncio.Task | None:
-        """The turn ended on `span` (speech_stopped): its transcription, if this pause started it; else nothing
-        speculated fits, and all of it is dropped."""
+        """The turn ended on `span` (speech_stopped): its transcription (a task for the transcript and its tokens'
+        logprobs), if this pause started it; else nothing speculated fits, and all of it is dropped."""
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == span:
             self.stage.speculations["used"] += 1

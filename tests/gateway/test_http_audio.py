@@ -113,6 +113,39 @@ async def test_long_upload_has_a_segment_per_window(server):
     assert [(s.start, s.id) for s in verbose.segments] == [(0.0, 0), (30.0, 1)], verbose.segments
     assert verbose.segments[1].end == pytest.approx(len(clip) / 16_000, abs=1e-3)
     assert wer(" ".join(SENTENCES * 3), verbose.segments[0].text) <= 0.2
+    # one transcript of both windows: its logprobs are both windows' tokens, in order
+    whole = await client(server).audio.transcriptions.create(
+        model="whisper-1", file=("long.wav", wav_of(clip)), include=["logprobs"])
+    check_logprobs(whole.logprobs, whole.text)
+    assert len(whole.logprobs) == sum(len(s.tokens) for s in verbose.segments)
+
+
+def check_logprobs(logprobs, text: str) -> None:
+    """The tokens of `logprobs` spell `text` (up to the spaces around it), each a probability's log with its bytes."""
+    assert logprobs and "".join(t.token for t in logprobs).strip() == text.strip(), (logprobs, text)
+    assert all(t.logprob <= 0.0 and bytes(int(b) for b in t.bytes) == t.token.encode() for t in logprobs)
+
+
+async def test_transcription_logprobs(server):
+    """include[]=logprobs: the transcript's tokens with the logprob Whisper chose each with, as OpenAI lists them
+    (json, and in the streamed done event); a verbose segment carries its tokens' ids and their mean logprob."""
+    c = client(server)
+    wav = encoded(QUESTION, "WAV")
+    plain = await c.audio.transcriptions.create(model="gpt-4o-transcribe", file=("q.wav", wav), include=["logprobs"])
+    assert wer(QUESTION, plain.text) <= 0.2
+    check_logprobs(plain.logprobs, plain.text)
+    assert (await c.audio.transcriptions.create(model="whisper-1", file=("q.wav", wav))).logprobs is None
+    stream = await c.audio.transcriptions.create(model="gpt-4o-transcribe", file=("q.wav", wav), stream=True,
+                                                 include=["logprobs"])
+    done = [e async for e in stream][-1]
+    assert isinstance(done, TranscriptionTextDoneEvent) and done.text == plain.text
+    check_logprobs(done.logprobs, done.text)
+    assert [t.logprob for t in done.logprobs] == [t.logprob for t in plain.logprobs]
+    verbose = await c.audio.transcriptions.create(model="whisper-1", file=("q.wav", wav),
+                                                  response_format="verbose_json")
+    [seg] = verbose.segments
+    assert len(seg.tokens) == len(plain.logprobs) and all(0 <= t < 50257 for t in seg.tokens)
+    assert seg.avg_logprob == pytest.approx(sum(t.logprob for t in plain.logprobs) / len(plain.logprobs), abs=1e-4)
 
 
 async def test_transcription_stream(server):
@@ -184,6 +217,9 @@ async def test_bad_audio_requests_are_400_and_leave_nothing_queued(server):
         (("q.wav", encoded(QUESTION, "WAV")), {"temperature": 3}, 400, "temperature", "invalid_value"),
         (("q.wav", encoded(QUESTION, "WAV")), {"extra_body": {"colour": "red"}}, 400, "colour", "unknown_parameter"),
         (("q.wav", encoded(QUESTION, "WAV")), {"model": "whisper-large"}, 404, "model", "model_not_found"),
+        (("q.wav", encoded(QUESTION, "WAV")), {"include": ["logprobs"], "response_format": "text"}, 400,
+         "include[]", "unsupported_value"),
+        (("q.wav", encoded(QUESTION, "WAV")), {"include": ["segments"]}, 400, "include[]", "unsupported_value"),
     ]
     for file, extra, status, param, code in uploads:
         kw = {"model": "whisper-1", **extra}
