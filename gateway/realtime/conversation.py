@@ -106,11 +106,12 @@ def _parse_part(part: Any, param: str, allowed: tuple[str, ...]) -> dict:
 # its retrieve_conversation_item future on item_retrieve_invalid_item_id and takes any other error as fatal to the
 # connection; openai-agents and others treat the delete and truncate ones as harmless races).
 MISSING_ITEM = {
-    "retrieve": ("item_retrieve_invalid_item_id", "retrieving item"),
-    "delete": ("item_delete_invalid_item_id", "deleting item"),
-    "truncate": ("item_truncate_invalid_item_id", "truncating item"),
-    "create": ("item_create_invalid_previous_item_id", "adding item: the previous item"),
-    "reference": ("item_not_found", "reading response.input"),
+    "retrieve": ("item_retrieve_invalid_item_id", "Error retrieving item: the item with id '{}' does not exist."),
+    "delete": ("item_delete_invalid_item_id", "Error deleting item: the item with id '{}' does not exist."),
+    "truncate": ("item_truncate_invalid_item_id", "Error truncating item: the item with id '{}' does not exist."),
+    "create": ("item_create_invalid_previous_item_id",
+               "Error adding item: the previous item with id '{}' does not exist."),
+    "reference": ("item_not_found", "Error reading response.input: the item with id '{}' does not exist."),
 }
 
 
@@ -130,8 +131,8 @@ class Conversation:
         for item in self.items:
             if item.id == item_id:
                 return item
-        code, doing = MISSING_ITEM[op]
-        raise p.ProtocolError(f"Error {doing}: the item with id '{item_id}' does not exist.", code, param)
+        code, message = MISSING_ITEM[op]
+        raise p.ProtocolError(message.format(item_id), code, param)
 
     def insert(self, item: Item, previous_item_id: str | None = None) -> str | None:
         """Append, insert first ("root"), or insert after `previous_item_id`; returns the id now before `item`."""
