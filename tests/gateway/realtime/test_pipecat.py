@@ -13,7 +13,8 @@ schemas and sent it no error it does not expect. What is checked is what a pipec
   on, and the next retrieve answers;
 - a tool call: pipecat runs its registered function on the call's arguments, sends the result, and the reply to it is
   spoken;
-- barge-in: the user speaks over the bot, and pipecat's truncate of the reply it was playing keeps what was heard.
+- barge-in: the user speaks over the bot, and pipecat's truncate of the reply it was playing keeps what was heard;
+- pipecat's own turn detection (`turn_detection=False`): its commit and response.create answer the user.
 """
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
 from pipecat.adapters.llm.schemas.tools_schema import ToolsSchema
 from pipecat.frames.frames import (EndFrame, ErrorFrame, Frame, FunctionCallResultFrame, InputAudioRawFrame,
                                    LLMContextFrame, LLMFullResponseEndFrame, LLMUpdateSettingsFrame,
-                                   TranscriptionFrame, TTSAudioRawFrame, TTSTextFrame)
+                                   ProposedUserStartedSpeakingFrame, ProposedUserStoppedSpeakingFrame,
+                                   TranscriptionFrame, TTSAudioRawFrame, TTSTextFrame, UserStartedSpeakingFrame,
+                                   UserStoppedSpeakingFrame)
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.aggregators.llm_context import LLMContext
@@ -139,6 +142,7 @@ async def test_pipecat_voice_bot_speaks_first_then_answers_a_spoken_question(ser
         answer_bytes, answer_text = spoken(frames.seen[mark:])
         assert answer_bytes > RATE // 5 and answer_text.strip()
         assert counter(server, "early_ends") == early + 1
+        assert frames.of(ProposedUserStartedSpeakingFrame) and frames.of(ProposedUserStoppedSpeakingFrame)  # server VAD
 
         user_id = heard.result.item_id
         item = await asyncio.wait_for(service.retrieve_conversation_item(user_id), 30)
@@ -227,3 +231,28 @@ async def test_pipecat_barge_in(server):
         heard_part = part.transcript.strip()
         assert heard_part and told.startswith(heard_part) and len(heard_part) < len(told.strip()), (heard_part, told)
         assert not frames.of(ErrorFrame)
+
+
+@pytest.mark.slow
+async def test_pipecat_local_turn_detection(server):
+    """pipecat's manual mode (`turn_detection=False`, sent as null: its own VAD drives the turns): the user's speech
+    between the VAD's started and stopped frames is committed and answered by pipecat's own response.create, with the
+    server's transcript, and the server reports no speech events of its own."""
+    pcm, _, _ = utterance(ASK, tail_ms=300)
+    manual = events.AudioConfiguration(input=events.AudioInput(transcription=events.InputAudioTranscription(),
+                                                                turn_detection=False))
+    async with pipecat_bot(server, "You are a helpful assistant. Greet the user in a few words.", audio=manual) as (
+            service, worker, frames):
+        await frames.until(lambda f: len(f.of(LLMFullResponseEndFrame)) == 1)   # the greeting
+        mark = len(frames.seen)
+        await worker.queue_frame(UserStartedSpeakingFrame())
+        for frame in speech_frames(pcm):
+            await worker.queue_frame(frame)
+        await worker.queue_frame(UserStoppedSpeakingFrame())
+        await frames.until(lambda f: len(f.of(LLMFullResponseEndFrame)) == 2 and f.of(TranscriptionFrame, "up"))
+        [heard] = frames.of(TranscriptionFrame, "up")
+        assert wer(ASK, heard.text) <= 0.2, heard.text
+        answer_bytes, answer_text = spoken(frames.seen[mark:])
+        assert answer_bytes > RATE // 5 and answer_text.strip()
+        # pipecat broadcasts these on the server's speech_started / speech_stopped: none came
+        assert not frames.of(ProposedUserStartedSpeakingFrame) and not frames.of(ProposedUserStoppedSpeakingFrame)
