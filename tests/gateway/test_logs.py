@@ -71,12 +71,12 @@ async def test_json_logs_stages_access_lines_and_stats():
             body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "stream": True,
                     "messages": [{"role": "user", "content": "Count to five."}]}
             async with http.stream("POST", f"{base}/v1/chat/completions", json=body,
-                                   headers={"Authorization": f"Bearer {KEY}"}) as r:
-                assert r.status_code == 200
+                                   headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "trace-42"}) as r:
+                assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"   # the client's, echoed
                 chunks = [line async for line in r.aiter_lines() if line.startswith("data: {")]
             bad = await http.post(f"{base}/v1/chat/completions", json={"model": "SmolLM2-135M-Instruct"},
-                                  headers={"Authorization": f"Bearer {KEY}"})
-            assert bad.status_code == 400
+                                  headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "no spaces <here>"})
+            assert bad.status_code == 400 and bad.headers["x-request-id"].startswith("req_")   # refused: ours
 
         stats = await asyncio.to_thread(
             wait_until, proc, lambda rs: [r for r in rs if r["logger"] == "rtserve.stats"
@@ -98,6 +98,9 @@ async def test_json_logs_stages_access_lines_and_stats():
         assert chunks and streamed["prompt_tokens"] > 0 and 0 < streamed["completion_tokens"] <= 8, streamed
         assert 0 < streamed["ttft_ms"] <= streamed["duration_ms"], streamed
         assert refused["ttft_ms"] is None and refused["prompt_tokens"] is None, refused
+        # each line names its response's x-request-id (the SDK's `_request_id`)
+        assert (done["request_id"], streamed["request_id"], refused["request_id"]) == \
+            (reply._request_id, "trace-42", bad.headers["x-request-id"]), access
         assert KEY not in proc.output, proc.output
     finally:
         if proc.proc.poll() is None:
