@@ -74,10 +74,12 @@ class Frames:
 
 
 @contextlib.asynccontextmanager
-async def pipecat_bot(server, instructions: str, context: LLMContext | None = None, **properties):
+async def pipecat_bot(server, instructions: str, context: LLMContext | None = None, functions: dict | None = None,
+                      **properties):
     """pipecat's Realtime service in a pipeline on the server's open root: audio out, the server's semantic VAD and
-    input transcription, `instructions` as its system instruction, `properties` on its session; the initial context
-    (`context`, else an empty one) sent, which makes the bot answer it (speak first)."""
+    input transcription, `instructions` as its system instruction, `properties` on its session, `functions` (name ->
+    handler) registered; the initial context (`context`, else an empty one) sent, which makes the bot answer it
+    (speak first)."""
     props = events.SessionProperties(**{
         "max_output_tokens": 24,
         "audio": events.AudioConfiguration(input=events.AudioInput(
@@ -87,6 +89,8 @@ async def pipecat_bot(server, instructions: str, context: LLMContext | None = No
         api_key="unused", base_url=f"ws://{server.host}:{server.port}/v1/realtime",
         settings=OpenAIRealtimeLLMService.Settings(model="gpt-realtime", system_instruction=instructions,
                                                    session_properties=props))
+    for name, handler in (functions or {}).items():
+        service.register_function(name, handler)
     frames = Frames()
     pipeline = Pipeline([QueuedFrameProcessor(queue=frames.up, queue_direction=FrameDirection.UPSTREAM),
                          service,
@@ -177,8 +181,8 @@ async def test_pipecat_function_call_round_trip(server):
         await params.result_callback({"sky": "sunny", "temperature_c": 21})
 
     async with pipecat_bot(server, "You are a weather assistant. Use get_weather for weather questions.", context,
-                           tool_choice="required", max_output_tokens=64) as (service, worker, frames):
-        service.register_function("get_weather", get_weather)
+                           {"get_weather": get_weather}, tool_choice="required", max_output_tokens=64) as (
+            service, worker, frames):
         await frames.until(lambda f: len(f.of(LLMFullResponseEndFrame)) == 1 and f.of(FunctionCallResultFrame))
         assert calls and all(isinstance(c.get("city"), str) and 0 < len(c["city"]) <= 40 for c in calls), calls
         [result] = frames.of(FunctionCallResultFrame, "down")[:1]
