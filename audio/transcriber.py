@@ -88,6 +88,7 @@ class _Request:
     draft_out: list | None = None  # once done: a draft for the same speech continued (WhisperModel.draft_of)
     # the finished windows' tokens with their logprobs (WhisperModel.token_logprobs); None once a window had none
     logprobs: list[TokenLogprob] | None = field(default_factory=list)
+    unsent: list[TokenLogprob] = field(default_factory=list)  # tokens taken whose text no delta has carried yet
     emitted: str = ""  # text already sent as deltas
     cancelled: bool = False
     finished: bool = False
@@ -110,6 +111,8 @@ class TranscriptionStream:
         self.draft: list[int] | None = None
         # once done: the transcript's tokens with their logprobs (None: not known, a decoding loop was cut)
         self.logprobs: list[TokenLogprob] | None = None
+        # the tokens of the delta last returned, with their logprobs (the text a token adds may come a delta later)
+        self.delta_logprobs: list[TokenLogprob] = []
 
     def __aiter__(self) -> "TranscriptionStream":
         return self
@@ -122,13 +125,14 @@ class TranscriptionStream:
         except BaseException:
             self._req.cancelled = True  # CancelledError and friends: drop the request
             raise
-        if isinstance(item, tuple):  # ("final", text, heard, draft, logprobs)
-            _, self.text, self.heard, self.draft, self.logprobs = item
-            raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.text = ""
             raise item
-        return item
+        if item[0] == "final":  # ("final", text, heard, draft, logprobs)
+            _, self.text, self.heard, self.draft, self.logprobs = item
+            raise StopAsyncIteration
+        _, delta, self.delta_logprobs = item  # ("delta", text, its tokens' logprobs)
+        return delta
 
     async def aclose(self) -> None:
         self._req.cancelled = True
@@ -307,6 +311,10 @@ class Transcriber:
         self.stats.decode_rows += rows
         self.stats.max_decode_rows = max(self.stats.max_decode_rows, rows)
         for r, tokens, done in produced:
+            # the tokens the row took this step, with their logprobs, for the delta that will carry their text (not
+            # when a loop was cut back: the tokens no longer line up)
+            if (taken := decoder.taken.get(r)) and decoder.logprobs.get(r, []) is not None:
+                r.unsent += model.token_logprobs(tokens[-len(taken):], taken)
             text = r.text_done + model.detokenize(tokens)
             if done:
                 r.text_done = text
@@ -335,7 +343,7 @@ class Transcriber:
         if not final and text.endswith("\ufffd"):
             return
         if text.startswith(r.emitted) and len(text) > len(r.emitted):
-            r.send(text[len(r.emitted) :])
-            r.emitted = text
+            r.send(("delta", text[len(r.emitted) :], r.unsent))
+            r.emitted, r.unsent = text, []
         if final:
             r.send(("final", text, r.heard, r.draft_out, r.logprobs))

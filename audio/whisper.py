@@ -639,6 +639,8 @@ class Decoder:
         # rows that ended in the last step with text: key -> the logprob of each of their tokens, as the step that
         # chose it saw it (None when a loop was cut: the tokens no longer line up with their steps)
         self.logprobs: dict[object, list[float] | None] = {}
+        # rows that took text tokens in the last step: key -> those tokens' logprobs (a draft's check takes several)
+        self.taken: dict[object, list[float]] = {}
         self.draft_tokens = self.draft_accepted = 0  # drafts' tokens checked, and those the decoder agreed with
 
     @torch.inference_mode()
@@ -753,6 +755,8 @@ class Decoder:
         self.draft_tokens += len(draft)
         self.draft_accepted += k
         r.tokens, r.tops, r.pos = draft[:k], list(zip(top_ids[:k], top_lps[:k])), 2 + k
+        if k:
+            self.taken[r.key] = [lps[0] for lps in top_lps[:k]]
         done = self._take(r, top_ids[k], top_lps[k])
         return r.key, r.tokens, done
 
@@ -766,6 +770,7 @@ class Decoder:
                 self.heard[r.key] = self.model.heard_ending(r.tokens, r.tops)
             return self._ended(r)
         r.tokens.append(ids[0])
+        self.taken.setdefault(r.key, []).append(logprobs[0])
         if r.watch_loop():
             del r.tokens[r.loop_at:]
             self._cut_loop(r.tokens, r.loop_k)
@@ -785,7 +790,7 @@ class Decoder:
         rows, m = self.rows, self.model
         if not rows:
             return []
-        self.heard, self.logprobs = {}, {}
+        self.heard, self.logprobs, self.taken = {}, {}, {}
         drafted = [i for i, r in enumerate(rows) if r.pos == 0 and r.draft]
         if drafted:  # this step checks the new rows' drafts; the other rows step next time
             out = [self._check_draft(i) for i in drafted]

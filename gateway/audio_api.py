@@ -8,9 +8,10 @@ Transcriptions take a multipart form (`file`, `model`, `language`, `prompt`, `re
 as raw pcm16 little-endian mono when its content type is `audio/pcm` (`;rate=N`, default 24000, the Realtime default)
 or its name ends in `.pcm` / `.raw`. Every check (size, decodable, rate, length) runs before anything is queued on the
 stage. `include[]=logprobs` (response_format json) adds the transcript's tokens with the logprob the greedy decoder
-chose each with (`logprobs`; streamed: in `transcript.text.done`). Segments are Whisper's 30 s windows: our decoder
-suppresses timestamp tokens, so a window is the finest timing we have; a segment's `tokens` and `avg_logprob` are its
-decoded tokens' ids and mean logprob, and `no_speech_prob` is not computed and reads 0.
+chose each with (`logprobs`; streamed: each delta's tokens in `transcript.text.delta`, all of them in
+`transcript.text.done`). Segments are Whisper's 30 s windows: our decoder suppresses timestamp tokens, so a window is
+the finest timing we have; a segment's `tokens` and `avg_logprob` are its decoded tokens' ids and mean logprob, and
+`no_speech_prob` is not computed and reads 0.
 
 Speech takes a JSON body (`input`, `model`, `voice`, `response_format`, `speed`, `stream_format`, `instructions`).
 The body streams as the TTS makes the audio (`stream_format` "audio": the encoded bytes, chunked; "sse":
@@ -334,7 +335,8 @@ def _sse(event: dict) -> bytes:
 async def _transcript_events(stream: TranscriptionStream, logprobs: bool):
     try:
         async for delta in stream:
-            yield _sse({"type": "transcript.text.delta", "delta": delta})
+            event = {"type": "transcript.text.delta", "delta": delta}
+            yield _sse(event | {"logprobs": transcript_entries(stream.delta_logprobs)} if logprobs else event)
         done = {"type": "transcript.text.done", "text": stream.text or ""}
         yield _sse(done | {"logprobs": transcript_entries(stream.logprobs)} if logprobs else done)
     except TranscriptionError as exc:

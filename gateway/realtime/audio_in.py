@@ -413,29 +413,32 @@ class AudioInput:
         part = item.content[index]
         ids = {"item_id": item.id, "content_index": index}
         try:
+            delta_type = "conversation.item.input_audio_transcription.delta"
             if early is not None:  # transcribed during the pause that ended the turn: same audio, same text
                 text, logprobs = await early
                 if text:
-                    self.send({"type": "conversation.item.input_audio_transcription.delta", **ids, "delta": text})
+                    self.send(self._with_logprobs({"type": delta_type, **ids, "delta": text}, logprobs))
             else:
                 stream = self.stage.start().transcriber.transcribe(audio_16k)
                 async with contextlib.aclosing(stream):
                     async for delta in stream:
-                        self.send({"type": "conversation.item.input_audio_transcription.delta", **ids,
-                                   "delta": delta})
+                        self.send(self._with_logprobs({"type": delta_type, **ids, "delta": delta},
+                                                      stream.delta_logprobs))
                 text, logprobs = stream.text or "", stream.logprobs
             part["transcript"] = text
-            done = {"type": "conversation.item.input_audio_transcription.completed", **ids,
-                    "transcript": part["transcript"],
-                    "usage": {"type": "duration", "seconds": round(len(audio_16k) / 16000, 3)}}
-            if self.logprobs:  # the session's include asks for them
-                done["logprobs"] = transcript_entries(logprobs)
-            self.send(done)
+            self.send(self._with_logprobs({"type": "conversation.item.input_audio_transcription.completed", **ids,
+                                           "transcript": part["transcript"],
+                                           "usage": {"type": "duration", "seconds": round(len(audio_16k) / 16000, 3)}},
+                                          logprobs))
         except TranscriptionError as exc:
             part["transcript"] = ""
             self.send({"type": "conversation.item.input_audio_transcription.failed", **ids,
                        "error": {"type": "transcription_error", "code": exc.code, "message": str(exc),
                                  "param": None}})
+
+    def _with_logprobs(self, event: dict, logprobs) -> dict:
+        """A transcription event, with its tokens' `logprobs` when the session's include asks for them."""
+        return event | {"logprobs": transcript_entries(logprobs)} if self.logprobs else event
 
 
 def _decode_clip(audio: str, fmt, param: str) -> np.ndarray:

@@ -137,10 +137,14 @@ async def test_transcription_logprobs(server):
     assert (await c.audio.transcriptions.create(model="whisper-1", file=("q.wav", wav))).logprobs is None
     stream = await c.audio.transcriptions.create(model="gpt-4o-transcribe", file=("q.wav", wav), stream=True,
                                                  include=["logprobs"])
-    done = [e async for e in stream][-1]
+    events = [e async for e in stream]
+    done = events[-1]
     assert isinstance(done, TranscriptionTextDoneEvent) and done.text == plain.text
     check_logprobs(done.logprobs, done.text)
     assert [t.logprob for t in done.logprobs] == [t.logprob for t in plain.logprobs]
+    # each delta carries the tokens whose text it brings: together, the done event's
+    deltas = [e for e in events if isinstance(e, TranscriptionTextDeltaEvent)]
+    assert len(deltas) > 1 and [t.token for d in deltas for t in d.logprobs] == [t.token for t in done.logprobs]
     verbose = await c.audio.transcriptions.create(model="whisper-1", file=("q.wav", wav),
                                                   response_format="verbose_json")
     [seg] = verbose.segments

@@ -253,25 +253,31 @@ async def test_interrupt_response_false_lets_the_reply_go_on(server):
     await raw.ws.close()
 
 
-def check_logprobs(completed: dict) -> None:
-    """A completed transcription's logprobs: its tokens spell the transcript, each with a logprob and its bytes."""
+def check_logprobs(events: list[dict]) -> dict:
+    """The last transcription's events: the completed one's logprobs spell its transcript, each with a logprob and its
+    bytes, and its deltas' logprobs are those same tokens, in order. Returns the completed event."""
+    completed = events[-1]
     logprobs = completed["logprobs"]
     assert logprobs and "".join(t["token"] for t in logprobs).strip() == completed["transcript"], completed
     assert all(t["logprob"] <= 0.0 and bytes(t["bytes"]) == t["token"].encode() for t in logprobs)
+    deltas = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"
+              and e["item_id"] == completed["item_id"]]
+    assert deltas and [t for d in deltas for t in d["logprobs"]] == logprobs, deltas
+    return completed
 
 
 async def test_transcription_logprobs_on_request(server):
     """`include: ["item.input_audio_transcription.logprobs"]`: a completed transcription lists its tokens with the
-    logprob Whisper chose each with, whether the turn's end took the pause's transcription (semantic VAD, text
-    session) or a commit started one; with include cleared, none."""
+    logprob Whisper chose each with, and its deltas the tokens they bring, whether the turn's end took the pause's
+    transcription (semantic VAD, text session: one delta) or a commit started one (a delta as tokens come); with
+    include cleared, none."""
     raw = await open_voice(server, {**VOICE_SESSION, "output_modalities": ["text"], "max_output_tokens": 4,
                                     "include": ["item.input_audio_transcription.logprobs"],
                                     "audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}})
     pcm, _, _ = utterance(QUESTION, PCM16, tail_ms=1000)
     await raw.stream(pcm, PCM16)
-    completed = (await raw.until("conversation.item.input_audio_transcription.completed"))[-1]
+    completed = check_logprobs(await raw.until("conversation.item.input_audio_transcription.completed"))
     assert wer(QUESTION, completed["transcript"]) <= 0.2
-    check_logprobs(completed)
     await raw.until("response.done")
 
     await raw.send({"type": "session.update", "session": {"type": "realtime",
@@ -280,13 +286,14 @@ async def test_transcription_logprobs_on_request(server):
     pcm, _, _ = utterance(QUESTION, PCM16, tail_ms=300)
     await raw.stream(pcm, PCM16)
     await raw.send({"type": "input_audio_buffer.commit"})
-    committed = (await raw.until("conversation.item.input_audio_transcription.completed"))[-1]
-    check_logprobs(committed)
+    committed = check_logprobs(await raw.until("conversation.item.input_audio_transcription.completed"))
 
     await raw.send({"type": "session.update", "session": {"type": "realtime", "include": None}})
     await raw.until("session.updated")
     await raw.stream(pcm, PCM16)
     await raw.send({"type": "input_audio_buffer.commit"})
-    plain = (await raw.until("conversation.item.input_audio_transcription.completed"))[-1]
+    events = await raw.until("conversation.item.input_audio_transcription.completed")
+    plain = events[-1]
     assert plain["transcript"] == committed["transcript"] and plain.get("logprobs") is None
+    assert all(e.get("logprobs") is None for e in events if e["type"].endswith("transcription.delta"))
     await raw.ws.close()
