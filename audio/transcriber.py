@@ -86,7 +86,8 @@ class _Request:
     heard: float | None = None  # Whisper's certainty of the last window's ending (WhisperModel.heard_ending)
     draft: list | None = None  # tokens the transcript probably starts with (its first window's; Decoder.add)
     draft_out: list | None = None  # once done: a draft for the same speech continued (WhisperModel.draft_of)
-    # the finished windows' tokens with their logprobs (WhisperModel.token_logprobs); None once a window had none
+    # the tokens decoded so far, every window's, with their logprobs (WhisperModel.token_logprobs); None once a loop
+    # was cut back (Decoder.cut)
     logprobs: list[TokenLogprob] | None = field(default_factory=list)
     unsent: list[TokenLogprob] = field(default_factory=list)  # tokens taken whose text no delta has carried yet
     emitted: str = ""  # text already sent as deltas
@@ -311,17 +312,19 @@ class Transcriber:
         self.stats.decode_rows += rows
         self.stats.max_decode_rows = max(self.stats.max_decode_rows, rows)
         for r, tokens, done in produced:
-            # the tokens the row took this step, with their logprobs, for the delta that will carry their text (not
-            # when a loop was cut back: the tokens no longer line up)
-            if (taken := decoder.taken.get(r)) and decoder.logprobs.get(r, []) is not None:
-                r.unsent += model.token_logprobs(tokens[-len(taken):], taken)
+            # the tokens the row took this step, with their logprobs: for the transcript's list, and for the delta
+            # that will carry their text
+            if r in decoder.cut:  # the tokens no longer line up with their logprobs
+                r.logprobs = None
+            elif taken := decoder.taken.get(r):
+                new = model.token_logprobs(tokens[-len(taken):], taken)
+                r.unsent += new
+                if r.logprobs is not None:
+                    r.logprobs += new
             text = r.text_done + model.detokenize(tokens)
             if done:
                 r.text_done = text
                 r.heard, r.draft_out = decoder.heard.get(r), model.draft_of(tokens)
-                logprobs = decoder.logprobs.get(r, None if tokens else [])
-                r.logprobs = None if r.logprobs is None or logprobs is None else \
-                    r.logprobs + model.token_logprobs(tokens, logprobs)
                 r.window += 1
                 self._active.remove(r)
                 if r.window < len(r.windows) and not r.cancelled:  # its next window joins at the next admission

@@ -501,7 +501,7 @@ class WhisperModel:
 
     def token_logprobs(self, tokens: Sequence[int], logprobs: Sequence[float]) -> list[TokenLogprob]:
         """Each text token as it reads in the transcript (a word's first piece with its leading space), with its
-        logprob (`Decoder.logprobs`)."""
+        logprob (`Decoder.taken`)."""
         return [TokenLogprob(t, self._piece(t), lp) for t, lp in zip(tokens, logprobs)]
 
     def draft_of(self, tokens: Sequence[int]) -> list[int]:
@@ -636,11 +636,11 @@ class Decoder:
         self.last_logits: torch.Tensor | None = None
         # rows that ended on EOT in the last step: key -> `WhisperModel.heard_ending` of their transcript
         self.heard: dict[object, float | None] = {}
-        # rows that ended in the last step with text: key -> the logprob of each of their tokens, as the step that
-        # chose it saw it (None when a loop was cut: the tokens no longer line up with their steps)
-        self.logprobs: dict[object, list[float] | None] = {}
-        # rows that took text tokens in the last step: key -> those tokens' logprobs (a draft's check takes several)
+        # rows that took text tokens in the last step: key -> those tokens' logprobs, as the step that chose each saw
+        # it (a draft's check takes several)
         self.taken: dict[object, list[float]] = {}
+        # rows whose loop was cut back in the last step: their tokens no longer line up with the logprobs taken
+        self.cut: set[object] = set()
         self.draft_tokens = self.draft_accepted = 0  # drafts' tokens checked, and those the decoder agreed with
 
     @torch.inference_mode()
@@ -768,20 +768,16 @@ class Decoder:
         if ids[0] == EOT:
             if r.tops is not None:
                 self.heard[r.key] = self.model.heard_ending(r.tokens, r.tops)
-            return self._ended(r)
+            return True
         r.tokens.append(ids[0])
         self.taken.setdefault(r.key, []).append(logprobs[0])
         if r.watch_loop():
             del r.tokens[r.loop_at:]
             self._cut_loop(r.tokens, r.loop_k)
             r.tops = None
-            return self._ended(r)
-        return len(r.tokens) >= r.cap and self._ended(r)
-
-    def _ended(self, r: _Row) -> bool:
-        """Row `r` is done: keep its tokens' logprobs (each the greedy choice's, the first of its step's candidates)."""
-        self.logprobs[r.key] = None if r.tops is None else [lps[0] for _, lps in r.tops[:len(r.tokens)]]
-        return True
+            self.cut.add(r.key)
+            return True
+        return len(r.tokens) >= r.cap
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[int], bool]]:
@@ -790,7 +786,7 @@ class Decoder:
         rows, m = self.rows, self.model
         if not rows:
             return []
-        self.heard, self.logprobs, self.taken = {}, {}, {}
+        self.heard, self.taken, self.cut = {}, {}, set()
         drafted = [i for i, r in enumerate(rows) if r.pos == 0 and r.draft]
         if drafted:  # this step checks the new rows' drafts; the other rows step next time
             out = [self._check_draft(i) for i in drafted]

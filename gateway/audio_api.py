@@ -313,7 +313,6 @@ async def _segments(request: Request, audio: np.ndarray) -> list[dict]:
     return segments
 
 
-
 def _timestamp(seconds: float, sep: str) -> str:
     ms = int(round(seconds * 1000))
     return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{sep}{ms % 1000:03d}"

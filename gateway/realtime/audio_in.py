@@ -112,10 +112,11 @@ def audio_error(exc: AudioError) -> p.ProtocolError:
 
 class AudioInput:
     """One session's input audio. `config` is the session's `audio.input` (format, turn detection); `pause_ms`: the
-    trailing silence after which a pause is reported (None: pauses are not reported)."""
+    trailing silence after which a pause is reported (None: pauses are not reported); `logprobs`: whether transcription
+    events carry their tokens' logprobs (the session's include)."""
 
     def __init__(self, config: dict, send: Callable[[dict], None], events: TurnEvents, stage: AudioStage,
-                 name: str, pause_ms: int | None = None) -> None:
+                 name: str, pause_ms: int | None = None, logprobs: bool = False) -> None:
         self.send, self.events, self.stage, self.name, self.pause_ms = send, events, stage.start(), name, pause_ms
         self.buf = InputAudioBuffer(parse_audio_format(config["format"]))
         self.turn = config["turn_detection"]  # the turn detection in force for the audio being processed
@@ -123,8 +124,8 @@ class AudioInput:
         self.speech_item_id: str | None = None  # announced in speech_started, used by the item it commits
         self.idle_anchor_ms: int | None = None  # input timeline ms when the last reply stopped playing
         self.transcripts: dict[str, asyncio.Task] = {}
-        # completed transcriptions list their tokens' logprobs (session include: item.input_audio_transcription.logprobs)
-        self.logprobs = False
+        # transcription events list their tokens' logprobs (session include: item.input_audio_transcription.logprobs)
+        self.logprobs = logprobs
         self._ops: asyncio.Queue = asyncio.Queue()
         self._worker: asyncio.Task | None = None
         self._running = False

@@ -535,8 +535,7 @@ class RealtimeSession:
             self.speculation = Speculation(self.audio, self._pregenerate, self._reply_wanted, self.id,
                                            end_of_turn_scored=self.turn_detector.text_scored)
             self.audio_in = AudioInput(self.config["audio"]["input"], self.send, self, self.audio, self.id,
-                                       pause_ms=SPECULATE_AFTER_MS)
-            self.audio_in.logprobs = self._transcript_logprobs()
+                                       pause_ms=SPECULATE_AFTER_MS, logprobs=self._transcript_logprobs())
         return self.audio_in
 
     def _check_audio_parts(self, item: Item, param: str = "item") -> bool:
