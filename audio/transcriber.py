@@ -90,6 +90,7 @@ class _Request:
     # was cut back (Decoder.cut)
     logprobs: list[TokenLogprob] | None = field(default_factory=list)
     unsent: list[TokenLogprob] = field(default_factory=list)  # tokens taken whose text no delta has carried yet
+    no_speech: list[float] = field(default_factory=list)  # per window decoded: Whisper's no-speech probability
     emitted: str = ""  # text already sent as deltas
     cancelled: bool = False
     finished: bool = False
@@ -114,6 +115,9 @@ class TranscriptionStream:
         self.logprobs: list[TokenLogprob] | None = None
         # the tokens of the delta last returned, with their logprobs (the text a token adds may come a delta later)
         self.delta_logprobs: list[TokenLogprob] = []
+        # once done: per 30 s window, the probability Whisper gave <|nocaptions|> right after SOT (its
+        # `no_speech_prob`; a window over the decoder's threshold ends with no text)
+        self.no_speech_probs: list[float] = []
 
     def __aiter__(self) -> "TranscriptionStream":
         return self
@@ -129,8 +133,8 @@ class TranscriptionStream:
         if isinstance(item, BaseException):
             self.text = ""
             raise item
-        if item[0] == "final":  # ("final", text, heard, draft, logprobs)
-            _, self.text, self.heard, self.draft, self.logprobs = item
+        if item[0] == "final":  # ("final", text, heard, draft, logprobs, no_speech_probs)
+            _, self.text, self.heard, self.draft, self.logprobs, self.no_speech_probs = item
             raise StopAsyncIteration
         _, delta, self.delta_logprobs = item  # ("delta", text, its tokens' logprobs)
         return delta
@@ -311,6 +315,8 @@ class Transcriber:
         self.stats.decode_steps += 1
         self.stats.decode_rows += rows
         self.stats.max_decode_rows = max(self.stats.max_decode_rows, rows)
+        for r, p_none in decoder.no_speech.items():  # rows that read SOT (most produce no token in that step)
+            r.no_speech.append(p_none)
         for r, tokens, done in produced:
             # the tokens the row took this step, with their logprobs: for the transcript's list, and for the delta
             # that will carry their text
@@ -349,4 +355,4 @@ class Transcriber:
             r.send(("delta", text[len(r.emitted) :], r.unsent))
             r.emitted, r.unsent = text, []
         if final:
-            r.send(("final", text, r.heard, r.draft_out, r.logprobs))
+            r.send(("final", text, r.heard, r.draft_out, r.logprobs, r.no_speech))

@@ -641,6 +641,8 @@ class Decoder:
         self.taken: dict[object, list[float]] = {}
         # rows whose loop was cut back in the last step: their tokens no longer line up with the logprobs taken
         self.cut: set[object] = set()
+        # rows that read SOT in the last step: key -> the probability of <|nocaptions|> there (Whisper's no_speech_prob)
+        self.no_speech: dict[object, float] = {}
         self.draft_tokens = self.draft_accepted = 0  # drafts' tokens checked, and those the decoder agreed with
 
     @torch.inference_mode()
@@ -741,8 +743,8 @@ class Decoder:
             logits = m.draft_pass(torch.tensor([[SOT, NO_TIMESTAMPS, *draft]]), torch.arange(t).unsqueeze(0),
                                   self_mask.view(1, 1, t, span), cross_mask, self.self_k[:, row], self.self_v[:, row],
                                   self.cross_k[:, row], self.cross_v[:, row])
-        if self.no_speech_threshold is not None and \
-                logits[0].softmax(-1)[NO_SPEECH].item() > self.no_speech_threshold:
+        p_none = self.no_speech[r.key] = logits[0].softmax(-1)[NO_SPEECH].item()
+        if self.no_speech_threshold is not None and p_none > self.no_speech_threshold:
             return r.key, r.tokens, True
         logits = logits[1:].masked_fill_(m._suppress, float("-inf"))
         logits[0].masked_fill_(m._suppress_begin, float("-inf"))
@@ -786,7 +788,7 @@ class Decoder:
         rows, m = self.rows, self.model
         if not rows:
             return []
-        self.heard, self.taken, self.cut = {}, {}, set()
+        self.heard, self.taken, self.cut, self.no_speech = {}, {}, set(), {}
         drafted = [i for i, r in enumerate(rows) if r.pos == 0 and r.draft]
         if drafted:  # this step checks the new rows' drafts; the other rows step next time
             out = [self._check_draft(i) for i in drafted]
@@ -796,7 +798,7 @@ class Decoder:
         with torch.jit.optimized_execution(False):
             logits = m.decoder_pass(*self.pass_inputs())
         p_none = None  # <|nocaptions|> right after SOT: is there speech at all?
-        if self.no_speech_threshold is not None and any(r.pos == 0 for r in rows):
+        if any(r.pos == 0 for r in rows):
             p_none = logits.softmax(-1)[:, NO_SPEECH].tolist()
         logits.masked_fill_(m._suppress, float("-inf"))
         begin = [i for i, r in enumerate(rows) if r.pos == 1]  # first text token: also no blank, no EOT
@@ -811,7 +813,8 @@ class Decoder:
         for i, r in enumerate(rows):
             r.pos += 1
             if r.pos == 1:  # this step read SOT
-                if p_none is not None and p_none[i] > self.no_speech_threshold:
+                self.no_speech[r.key] = p_none[i]
+                if self.no_speech_threshold is not None and p_none[i] > self.no_speech_threshold:
                     out.append((r.key, r.tokens, True))
                     continue
                 keep.append(i)

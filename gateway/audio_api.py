@@ -11,7 +11,8 @@ stage. `include[]=logprobs` (response_format json) adds the transcript's tokens 
 chose each with (`logprobs`; streamed: each delta's tokens in `transcript.text.delta`, all of them in
 `transcript.text.done`). Segments are Whisper's 30 s windows: our decoder suppresses timestamp tokens, so a window is
 the finest timing we have; a segment's `tokens` and `avg_logprob` are its decoded tokens' ids and mean logprob, and
-`no_speech_prob` is not computed and reads 0.
+its `no_speech_prob` is Whisper's: the probability of <|nocaptions|> right after SOT. A window over the decoder's
+threshold (Whisper's default, 0.6) has no text and no segment.
 
 Speech takes a JSON body (`input`, `model`, `voice`, `response_format`, `speed`, `stream_format`, `instructions`).
 The body streams as the TTS makes the audio (`stream_format` "audio": the encoded bytes, chunked; "sse":
@@ -309,7 +310,8 @@ async def _segments(request: Request, audio: np.ndarray) -> list[dict]:
                          "end": min(len(audio), i + WINDOW_SAMPLES) / SAMPLE_RATE, "text": text,
                          "tokens": [t.id for t in tokens], "temperature": 0.0,
                          "avg_logprob": round(sum(t.logprob for t in tokens) / len(tokens), 5) if tokens else 0.0,
-                         "compression_ratio": round(len(raw) / len(zlib.compress(raw)), 3), "no_speech_prob": 0.0})
+                         "compression_ratio": round(len(raw) / len(zlib.compress(raw)), 3),
+                         "no_speech_prob": round(stream.no_speech_probs[0], 5) if stream.no_speech_probs else 0.0})
     return segments
 
 

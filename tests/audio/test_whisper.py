@@ -10,7 +10,7 @@ import torch
 
 from audio.speech import espeak_speech
 from audio.transcriber import Transcriber, TranscriptionError
-from audio.whisper import WhisperModel, ct2_to_hf_state_dict, package_model_dir, read_ct2_model
+from audio.whisper import NO_SPEECH_THRESHOLD, WhisperModel, ct2_to_hf_state_dict, package_model_dir, read_ct2_model
 from tests.audio.speech import steady_piper_speech
 
 torch.set_num_threads(2)
@@ -91,6 +91,8 @@ async def test_transcriber_streams_deltas(transcriber, clips):
     assert "".join(deltas) == stream.text
     assert jiwer.wer(REF, _norm(stream.text)) <= 0.2
     assert 0.0 < stream.heard <= 1.0  # how sure Whisper was of the ending (WhisperModel.heard_ending)
+    [p_none] = stream.no_speech_probs  # Whisper's no_speech_prob of its one window: this is speech
+    assert 0.0 < p_none < 0.1, p_none
 
 
 async def test_transcriber_batches_concurrent_requests(transcriber, clips):
@@ -158,6 +160,8 @@ async def test_silence_and_noise_give_empty_transcripts(transcriber):
     for audio in (np.zeros(16000, np.float32), rng.normal(0, 0.1, 32000).astype(np.float32)):
         stream = transcriber.transcribe(audio)
         assert [d async for d in stream] == [] and stream.text == ""
+        # ended at SOT: Whisper's no_speech_prob is over the threshold
+        assert len(stream.no_speech_probs) == 1 and NO_SPEECH_THRESHOLD < stream.no_speech_probs[0] <= 1.0
 
 
 async def test_closed_transcriber_refuses_work(model):
@@ -524,5 +528,7 @@ async def test_a_transcription_drafts_the_next_one_of_the_same_speech(transcribe
     again = transcriber.transcribe(clips["piper"], draft=first.draft)
     assert transcriber.inflight == 1
     assert await again.result() == text and transcriber.stats.draft_accepted == before + len(first.draft)
+    # the draft's one pass reads SOT too: the same no-speech probability as the step that reads it alone
+    assert again.no_speech_probs == pytest.approx(first.no_speech_probs, abs=1e-4)
     assert transcriber.inflight == 0
 

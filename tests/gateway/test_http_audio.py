@@ -113,6 +113,7 @@ async def test_long_upload_has_a_segment_per_window(server):
     assert [(s.start, s.id) for s in verbose.segments] == [(0.0, 0), (30.0, 1)], verbose.segments
     assert verbose.segments[1].end == pytest.approx(len(clip) / 16_000, abs=1e-3)
     assert wer(" ".join(SENTENCES * 3), verbose.segments[0].text) <= 0.2
+    assert all(0.0 < s.no_speech_prob < 0.6 for s in verbose.segments), verbose.segments
     # one transcript of both windows: its logprobs are both windows' tokens, in order
     whole = await client(server).audio.transcriptions.create(
         model="whisper-1", file=("long.wav", wav_of(clip)), include=["logprobs"])
@@ -150,6 +151,7 @@ async def test_transcription_logprobs(server):
     [seg] = verbose.segments
     assert len(seg.tokens) == len(plain.logprobs) and all(0 <= t < 50257 for t in seg.tokens)
     assert seg.avg_logprob == pytest.approx(sum(t.logprob for t in plain.logprobs) / len(plain.logprobs), abs=1e-4)
+    assert 0.0 < seg.no_speech_prob < 0.1, seg  # Whisper's own, for a clear question
 
 
 async def test_transcription_stream(server):
