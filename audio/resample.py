@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import soxr
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
 RATES = (8_000, 16_000, 22_050, 24_000)
 _DTYPES = (np.float32, np.int16)
@@ -137,20 +137,23 @@ class StreamResampler:
         # output m needs inputs up to (m * down + centre) // up
         last = (available * up - centre - 1) // down  # the last m with (m * down + centre) // up < available
         end = last + 1 if total is None else min(last + 1, total)
-        m = np.arange(self._n_out, max(end, self._n_out))
-        y = np.empty(len(m), np.float32)
-        if len(m):
-            pos = m * down + centre
-            oldest, phase = pos // up - k - self._hist_start, pos % up
+        n = max(end, self._n_out) - self._n_out
+        y = np.empty(n, np.float32)
+        if n and up <= 8:   # few phases (24 or 48 -> 16 kHz, 8 -> 16): one matrix-vector product per phase
+            # outputs r, r + up, r + 2·up, ... share a phase, and their windows start `down` inputs apart: a strided
+            # view of the history, which np.dot reads in place (no gathered copy of the windows)
+            step = self._hist.strides[0]
+            for r in range(min(up, n)):
+                pos = (self._n_out + r) * down + centre
+                view = as_strided(self._hist[pos // up - k - self._hist_start:], (len(range(r, n, up)), k + 1),
+                                  (down * step, step), writeable=False)
+                y[r::up] = np.dot(view, taps[pos % up])
+        elif n:             # 22.05 kHz: a phase per output, nearly
+            pos = np.arange(self._n_out, self._n_out + n) * down + centre
             windows = sliding_window_view(self._hist, k + 1)   # windows[i] = inputs i .. i + k (a view)
-            if up <= 8:   # few phases (24 or 48 -> 16 kHz, 8 -> 16): one matrix-vector product per phase
-                for p in range(up):
-                    rows = phase == p
-                    if rows.any():
-                        y[rows] = windows[oldest[rows]] @ taps[p]
-            else:         # 22.05 kHz: a phase per output, nearly
-                y[:] = np.einsum("ij,ij->i", windows[oldest], taps[phase])
-            self._n_out = int(m[-1]) + 1
+            y[:] = np.einsum("ij,ij->i", windows[pos // up - k - self._hist_start], taps[pos % up])
+        if n:
+            self._n_out += n
         keep_from = max(self._hist_start, (self._n_out * down + centre) // up - k)   # the next output's oldest input
         self._hist = self._hist[keep_from - self._hist_start:]
         self._hist_start = keep_from
