@@ -20,7 +20,11 @@ audio signal only moves a borderline text score. The joint text score also vetoe
 model expects more after ("I am feeling tired today."), or a misheard word ("who wrote Romito and Juliet", no "?").
 So a second way ends a turn: both signals agree that a sentence can end here, P(sentence end) × Smart Turn, where
 neither alone suffices (each fails on the other's cases: Whisper's invented endings on cut utterances sound unfinished,
-and "What is the capital of" never reads as a sentence end).
+and "What is the capital of" never reads as a sentence end). And a third, late in the window only: when Whisper is sure
+of the sentence end it heard (`HEARD_SURE`), Smart Turn at a tenth of its weight (`LATE_AUDIO_WEIGHT`), which clears
+the falling threshold only after ~500 ms of silence. The text model's veto reads the transcript, and where the
+transcript is misheard ("What colors the sky?", P(sentence end) 0) or the model expects more after a finished
+question ("How do I make pancakes?"), it would hold a turn that sounds and was heard finished to the window.
 
 A turn that ended early and goes on within `REPAIR_GRACE_MS` is repaired (audio_in.py, session.py): the reply is
 cancelled and the new speech joins the same user item.
@@ -70,7 +74,13 @@ class Eagerness:
 EAGERNESS = {"high": Eagerness(100, 0.1, 0.05), "medium": Eagerness(150, 0.15, 0.05),
              "auto": Eagerness(150, 0.15, 0.05), "low": Eagerness(250, 0.5, 0.1)}
 TEXT_WEIGHT = 0.8  # the engine's signal's share of the combined probability; Smart Turn has the rest
-TEXT_VETO = 0.05  # below this P(end of turn | transcript) no early end, whatever the audio says
+TEXT_VETO = 0.05  # below this P(end of turn | transcript) no early end, whatever the audio says (but see HEARD_SURE)
+# Whisper this sure of the sentence end it heard (`WhisperModel.heard_ending`) lets Smart Turn end the turn late on its
+# own, at LATE_AUDIO_WEIGHT of its score: under the shortest silence's threshold of every eagerness but high, so never
+# early in the window. Tuned on `rtserve bench turn`'s dumps (docs/benchmarks.md): a weight of 0.11 ended cut
+# utterances that are questions themselves ("Can you explain how"), 0.1 none.
+HEARD_SURE = 0.9
+LATE_AUDIO_WEIGHT = 0.1
 WORD_END_MIN = 0.1  # at_word_end raises a probability tenfold at most, when the model is sure the word goes on
 REPAIR_GRACE_MS = 1000  # speech resuming this soon after an early end's segment end continues the same turn
 
@@ -114,11 +124,15 @@ def combine(p_text: float | None, p_audio: float | None, p_sentence_end: float |
     (audio alone ends no turn early: synthetic and flat voices fool it) or when the text vetoes; or, if higher, the
     two signals' agreement, P(sentence end) × P(audio complete). Both text scores are read from Whisper's transcript,
     so each counts only as far as Whisper heard its ending (`p_heard`, `WhisperModel.heard_ending`): an ending it
-    guessed in the silence is no evidence that the turn is over."""
+    guessed in the silence is no evidence that the turn is over. Where Whisper is sure of the sentence end it heard
+    (`HEARD_SURE`), the audio alone counts too, at LATE_AUDIO_WEIGHT: enough to end a turn late in the window, not at
+    the shortest silence (but for eagerness high, with Smart Turn certain)."""
+    late = LATE_AUDIO_WEIGHT * p_audio if p_audio is not None and p_heard is not None and p_heard >= HEARD_SURE \
+        else 0.0
     if p_heard is not None:
         p_text = None if p_text is None else p_text * p_heard
         p_sentence_end = None if p_sentence_end is None else p_sentence_end * p_heard
-    agree = p_sentence_end * p_audio if p_sentence_end is not None and p_audio is not None else 0.0
+    agree = max(p_sentence_end * p_audio if p_sentence_end is not None and p_audio is not None else 0.0, late)
     if p_text is None or p_text < TEXT_VETO:
         return agree
     if p_audio is None:
@@ -133,8 +147,9 @@ def audio_matters(p_text: float | None, policy: Eagerness, p_sentence_end: float
     below the floor whatever the audio says (the text vetoes and no sentence can end here, mostly). (`early_end_ms`
     falls as the probability rises, and `combine` rises with the audio's, so the two ends of the audio's range
     decide.) Most pauses are one of the two, and the Smart Turn call is skipped there."""
+    most = combine(p_text, 1.0, p_sentence_end, p_heard)  # (the floor itself is reached only at the window)
     return combine(p_text, 0.0, p_sentence_end, p_heard) < policy.threshold and \
-        combine(p_text, 1.0, p_sentence_end, p_heard) >= policy.floor
+        (most > policy.floor or most >= policy.threshold)
 
 
 def early_end_ms(p: float, policy: Eagerness, window_ms: int) -> float | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.realtime.turn_detection import (EAGERNESS, TEXT_VETO, WORD_END_MIN, Eagerness, at_word_end,
+from gateway.realtime.turn_detection import (EAGERNESS, HEARD_SURE, TEXT_VETO, WORD_END_MIN, Eagerness, at_word_end,
                                              audio_matters, combine, early_end_ms, word_end_probability)
 
 WINDOW = 800
@@ -97,15 +97,16 @@ def test_the_audio_is_asked_only_where_it_can_change_when_the_turn_ends(eagernes
     assert audio_matters(TEXT_VETO / 2, policy, 0.5)  # vetoed, but the words could end a sentence: ask
     assert not audio_matters(0.99, policy)  # a sure text score ends the turn at the shortest silence anyway
     asked = 0
-    for p_end in (None, 0.0, 0.04, 0.3, 1.0):
-        for p_text in [i / 200 for i in range(201)]:
-            for window in (policy.min_silence_ms + 1, 500, 800, 1200):
-                ends = {early_end_ms(combine(p_text, a / 20, p_end), policy, window) for a in range(21)}
-                if not audio_matters(p_text, policy, p_end):
-                    assert len(ends) == 1, (p_text, p_end, window, ends)
-                elif window == 1200:
-                    assert len(ends) > 1, (p_text, p_end, ends)
-                    asked += 1
+    for p_heard in (None, 0.5, 0.95):
+        for p_end in (None, 0.0, 0.04, 0.3, 1.0):
+            for p_text in [i / 200 for i in range(201)]:
+                for window in (policy.min_silence_ms + 1, 500, 800, 1200):
+                    ends = {early_end_ms(combine(p_text, a / 20, p_end, p_heard), policy, window) for a in range(21)}
+                    if not audio_matters(p_text, policy, p_end, p_heard):
+                        assert len(ends) == 1, (p_text, p_end, p_heard, window, ends)
+                    elif window == 1200:
+                        assert len(ends) > 1, (p_text, p_end, p_heard, ends)
+                        asked += 1
     assert asked > 0
 
 
@@ -123,3 +124,22 @@ def test_text_scores_count_as_far_as_whisper_heard_the_ending():
         early_end_ms(guessed, policy, WINDOW) is None
     # whether Smart Turn is asked follows the scaled scores
     assert audio_matters(0.1, policy, 0.0) and not audio_matters(0.1, policy, 0.0, 0.1)
+
+
+def test_a_sentence_end_whisper_is_sure_of_lets_the_voice_end_the_turn_late():
+    """"What colors the sky?" (Whisper's mishearing of "What color is the sky?", sure of its "?"): the text model reads
+    "What colors the sky" as unfinished (the joint score vetoes, no sentence end among its top tokens), but the voice
+    sounds finished. The turn ends late in the window, not at the window; never at the shortest silence, and not when
+    Whisper guessed the ending or the voice sounds unfinished."""
+    policy = EAGERNESS["medium"]
+    sky = early_end_ms(combine(6e-5, 0.9, 0.0, 0.93), policy, WINDOW)
+    assert sky is not None and 450 < sky < 650, sky
+    assert early_end_ms(combine(6e-5, 0.9, 0.0, HEARD_SURE - 0.05), policy, WINDOW) is None  # an ending it guessed
+    assert early_end_ms(combine(6e-5, 0.3, 0.0, 0.93), policy, WINDOW) is None  # a voice that sounds unfinished
+    assert combine(6e-5, None, 0.0, 0.93) == 0.0  # no audio score: the text alone decides
+    assert audio_matters(6e-5, policy, 0.0, 0.93) and not audio_matters(6e-5, policy, 0.0, HEARD_SURE - 0.05)
+    for name in ("auto", "medium", "low"):
+        p = EAGERNESS[name]
+        assert all(early_end_ms(combine(1e-6, a / 20, 0.0, 1.0), p, WINDOW) != p.min_silence_ms for a in range(21))
+    # the sooner the surer the voice
+    assert early_end_ms(combine(6e-5, 1.0, 0.0, 0.93), policy, WINDOW) < sky
