@@ -40,7 +40,7 @@ MAX_PENDING_CHARS = 48 * 1024 * 1024  # base64 audio queued per session (three m
 # A pause is reported only when the silence window goes on at least this long after it: with a shorter window the
 # turn's end follows too soon for work started in the pause to come out ahead.
 PAUSE_MARGIN_MS = 100
-RECHECK_MS = 40  # a held pause is reported again each time its silence has grown by this much
+RECHECK_MS = 32  # a held pause is reported again each time its silence has grown by this much (a VAD window)
 
 Span = tuple[int, int]  # ms on the input timeline
 
