@@ -76,8 +76,8 @@ EAGERNESS = {"high": Eagerness(100, 0.1, 0.05), "medium": Eagerness(150, 0.15, 0
 TEXT_WEIGHT = 0.8  # the engine's signal's share of the combined probability; Smart Turn has the rest
 TEXT_VETO = 0.05  # below this P(end of turn | transcript) no early end, whatever the audio says (but see HEARD_SURE)
 # Whisper this sure of the sentence end it heard (`WhisperModel.heard_ending`) lets Smart Turn end the turn late on its
-# own, at LATE_AUDIO_WEIGHT of its score: under the shortest silence's threshold of every eagerness but high, so never
-# early in the window. Tuned on `rtserve bench turn`'s dumps (docs/benchmarks.md): a weight of 0.11 ended cut
+# own, at LATE_AUDIO_WEIGHT of its score: under every eagerness's threshold at its shortest silence (high's is reached
+# only by a certain Smart Turn), so the turns it ends, it ends later in the window. Tuned on `rtserve bench turn`'s dumps (docs/benchmarks.md): a weight of 0.11 ended cut
 # utterances that are questions themselves ("Can you explain how"), 0.1 none.
 HEARD_SURE = 0.9
 LATE_AUDIO_WEIGHT = 0.1
@@ -126,7 +126,7 @@ def combine(p_text: float | None, p_audio: float | None, p_sentence_end: float |
     so each counts only as far as Whisper heard its ending (`p_heard`, `WhisperModel.heard_ending`): an ending it
     guessed in the silence is no evidence that the turn is over. Where Whisper is sure of the sentence end it heard
     (`HEARD_SURE`), the audio alone counts too, at LATE_AUDIO_WEIGHT: enough to end a turn late in the window, not at
-    the shortest silence (but for eagerness high, with Smart Turn certain)."""
+    the shortest silence (eagerness high, whose threshold starts at the weight, may end it soon after)."""
     late = LATE_AUDIO_WEIGHT * p_audio if p_audio is not None and p_heard is not None and p_heard >= HEARD_SURE \
         else 0.0
     if p_heard is not None:
