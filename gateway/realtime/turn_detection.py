@@ -77,8 +77,9 @@ TEXT_WEIGHT = 0.8  # the engine's signal's share of the combined probability; Sm
 TEXT_VETO = 0.05  # below this P(end of turn | transcript) no early end, whatever the audio says (but see HEARD_SURE)
 # Whisper this sure of the sentence end it heard (`WhisperModel.heard_ending`) lets Smart Turn end the turn late on its
 # own, at LATE_AUDIO_WEIGHT of its score: under every eagerness's threshold at its shortest silence (high's is reached
-# only by a certain Smart Turn), so the turns it ends, it ends later in the window. Tuned on `rtserve bench turn`'s dumps (docs/benchmarks.md): a weight of 0.11 ended cut
-# utterances that are questions themselves ("Can you explain how"), 0.1 none.
+# only by a certain Smart Turn), so the turns it ends, it ends later in the window. Tuned on `rtserve bench turn`'s
+# dumps (docs/benchmarks.md): a weight of 0.11 ended cut utterances that are questions themselves ("Can you explain
+# how"), 0.1 none.
 HEARD_SURE = 0.9
 LATE_AUDIO_WEIGHT = 0.1
 WORD_END_MIN = 0.1  # at_word_end raises a probability tenfold at most, when the model is sure the word goes on
