@@ -152,8 +152,7 @@ class StreamResampler:
             pos = np.arange(self._n_out, self._n_out + n) * down + centre
             windows = sliding_window_view(self._hist, k + 1)   # windows[i] = inputs i .. i + k (a view)
             y[:] = np.einsum("ij,ij->i", windows[pos // up - k - self._hist_start], taps[pos % up])
-        if n:
-            self._n_out += n
+        self._n_out += n
         keep_from = max(self._hist_start, (self._n_out * down + centre) // up - k)   # the next output's oldest input
         self._hist = self._hist[keep_from - self._hist_start:]
         self._hist_start = keep_from

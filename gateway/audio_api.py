@@ -311,7 +311,7 @@ async def _segments(request: Request, audio: np.ndarray) -> list[dict]:
                          "tokens": [t.id for t in tokens], "temperature": 0.0,
                          "avg_logprob": round(sum(t.logprob for t in tokens) / len(tokens), 5) if tokens else 0.0,
                          "compression_ratio": round(len(raw) / len(zlib.compress(raw)), 3),
-                         "no_speech_prob": round(stream.no_speech_probs[0], 5) if stream.no_speech_probs else 0.0})
+                         "no_speech_prob": round(stream.no_speech_probs[0], 5)})  # (a window with text was decoded)
     return segments
 
 
