@@ -68,14 +68,15 @@ class AudioStage:
         return self._scoring > 0 or (tr is not None and tr.inflight > 0) or (tts is not None and tts.busy)
 
     async def warmup(self) -> None:
-        """Load the TTS voice and Smart Turn (Whisper is already loading in its thread) before the first caller waits
-        on them: Smart Turn's first call builds its ONNX session, which would otherwise fall on the first turn that
-        pauses, beside that turn's transcription."""
+        """Load the TTS voice and Smart Turn, and wait for Whisper (loading in its thread), before the first caller
+        waits on them: Smart Turn's first call builds its ONNX session, which would otherwise fall on the first turn
+        that pauses, beside that turn's transcription. After this the stage's models are all in memory."""
         self.start()
         with contextlib.suppress(Exception):
             await self.tts.warmup()
         with contextlib.suppress(Exception):  # without the pipecat-ai wheel each call fails alike, and is logged
             await self.score_turn(np.zeros(smart_turn.SAMPLE_RATE, np.float32))
+        await asyncio.to_thread(self.transcriber.loaded.wait)
 
     def say(self, text: str, fmt, speed: float, clock: SpeechClock) -> SpeechJob:
         """Queue `text` for synthesis as part of the reply timed by `clock`; read it with `job.chunks()`."""

@@ -176,6 +176,7 @@ class Transcriber:
         self._cv = threading.Condition()
         self._ids = itertools.count(1)
         self._closed = False
+        self.loaded = threading.Event()  # set once the worker's model load ended (a failure is reported per request)
         self._thread = threading.Thread(target=self._run, name="rtserve-transcriber", daemon=True)
         self._thread.start()
 
@@ -239,6 +240,8 @@ class Transcriber:
             self.model  # load at start-up, off the event loop
         except Exception:  # noqa: BLE001 - reported to each request by _admit
             log.exception("loading Whisper failed")
+        finally:
+            self.loaded.set()
         decoder = None
         while True:
             with self._cv:

@@ -143,6 +143,7 @@ class EngineCoreClient:
         self.block_size = info["block_size"]
         self.max_num_seqs = info["max_num_seqs"]
         self.num_threads = info["num_threads"]
+        self.frozen_objects = info["frozen_objects"]  # the core's startup heap, left out of garbage collection
         self._receiver = threading.Thread(target=self._receive, name="rtserve-core-client", daemon=True)
         self._receiver.start()
         _live.add(self)

@@ -28,6 +28,7 @@ import msgspec
 import zmq
 
 from engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, RequestFailedError
+from engine.heap import freeze_startup_heap
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("rtserve.engine")
@@ -86,11 +87,13 @@ def run_engine_core(engine_args: dict, input_addr: str, output_addr: str, nice: 
         ctx.destroy(linger=0)
         return
     kernels.set_thread_count(engine.args.num_threads or kernels.default_thread_count())
+    frozen = freeze_startup_heap("engine core")
     outputs.send(encoder.encode(["ready", {
         "model_name": engine.model_name, "model_dir": str(engine.model_dir), "max_model_len": engine.max_model_len,
         "vocab_size": engine.vocab_size, "kv_slots": engine.block_manager.num_slots,
         "block_size": engine.args.block_size, "max_num_seqs": engine.args.max_num_seqs,
-        "num_threads": engine.args.num_threads or kernels.default_thread_count(), "stats": engine.stats()}]))
+        "num_threads": engine.args.num_threads or kernels.default_thread_count(), "frozen_objects": frozen,
+        "stats": engine.stats()}]))
     EngineCoreLoop(engine, commands, outputs, encoder, ctx, output_addr).run()
     commands.close(linger=0)
     outputs.close()              # (lingers: the last outputs reach the parent)

@@ -21,6 +21,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from audio.stage import AudioStage
+from engine.heap import freeze_startup_heap
 from gateway import audio_api, generation_config, handshake, http_api, logs, stats_log, tools
 from gateway.access_log import AccessLog
 from gateway.guard import HostOriginGuard
@@ -194,6 +195,7 @@ async def _load(app: Starlette, settings: Settings) -> None:
             await _alive(app.state.audio.warmup(), "audio", t0)
             log.info("audio stage ready in %.1f s (VAD, Whisper, piper voice)", time.monotonic() - t0)
         share_cpus(engine, app.state.audio)
+        freeze_startup_heap("gateway")
         _attach(app, engine)
     except Exception as exc:   # nothing can be served: say why, and stop the server (SIGTERM: uvicorn's own exit)
         app.state.loading_error = str(exc)

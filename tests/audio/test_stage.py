@@ -37,6 +37,7 @@ async def test_idle_audio_workers_take_no_cpu():
     try:
         await stage.warmup()
         assert smart_turn._session is not None   # loaded by the warmup, not by the first turn that pauses
+        assert stage.transcriber.loaded.is_set()   # and Whisper, loading in its thread, was waited for
         # work once through both workers, so every pool they use exists and has run
         text = await stage.transcriber.transcribe_text(steady_piper_speech("The stage is at rest now."))
         assert "rest" in text.lower()

@@ -110,6 +110,11 @@ async def test_a_killed_core_fails_its_streams_and_is_started_again(core):
         os.kill(first_pid, 0)
 
 
+def test_the_core_froze_its_startup_heap(core):
+    """The core's model, tokenizer and modules are left out of its garbage collections (engine/heap.py)."""
+    assert core.frozen_objects > 50_000
+
+
 def test_the_default_launcher_starts_the_core_as_this_process_runs(core):
     """Nicer and with an environment of its own only when asked (gateway/router.py asks beside the audio stage)."""
     nices, env = thread_nices_and_env(core.pid)

@@ -3,6 +3,7 @@
 loading stage with its time."""
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -43,6 +44,9 @@ def test_health_is_503_with_the_stage_while_loading_then_200():
                                          "rtserve.engine: KV cache: ", "rtserve: model SmolLM2-135M-Instruct loaded",
                                          "rtserve: ready on")]
         assert stages == sorted(stages), log
+        # what loading left alive is frozen before the server says it is ready (engine/heap.py)
+        frozen = re.search(r"rtserve: gateway: (\d+) objects of the startup heap frozen", log)
+        assert frozen and int(frozen[1]) > 50_000 and frozen.start() < log.index("rtserve: ready on"), log
         assert '"GET /health" 503' in log and '"GET /v1/models" 503' in log, log
     finally:
         if proc.proc.poll() is None:
