@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
+from threadpoolctl import threadpool_limits
 
 from audio.stage import AudioStage
 from engine.heap import freeze_startup_heap
@@ -186,6 +187,7 @@ async def _load(app: Starlette, settings: Settings) -> None:
     """Load the engine, then warm the audio stage, then serve: the engine is published last, with all it needs. Each
     stage logs its time (the engine's own stages, GGUF conversion, weights, C++ ops, KV cache, log theirs)."""
     start = time.monotonic()
+    blas_on_one_thread()
     try:
         app.state.loading_stage = "model"
         engine = await _load_engine(settings)
@@ -205,6 +207,14 @@ async def _load(app: Starlette, settings: Settings) -> None:
     if settings.public_url:
         log.info("ready on %s  (realtime: %s/v1/realtime; started in %.1f s)", settings.public_url,
                  settings.public_url.replace("http", "ws", 1), time.monotonic() - start)
+
+
+def blas_on_one_thread() -> None:
+    """numpy's BLAS (OpenBLAS) on one thread in this process, unless the user set its count. Its calls here are small
+    (resampling, Smart Turn's features), and a second BLAS thread mostly spins after each one, on a CPU the engine,
+    Whisper and piper need (docs/benchmarks.md, Voice). torch's own thread pool is not touched."""
+    if "OPENBLAS_NUM_THREADS" not in os.environ:
+        threadpool_limits(limits=1, user_api="blas")
 
 
 def share_cpus(engine, audio: AudioStage | None) -> None:
