@@ -2,6 +2,7 @@
 `input_audio` items, transcription-only sessions, idle timeout. Real speech synthesized in the test."""
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import numpy as np
@@ -297,3 +298,26 @@ async def test_transcription_logprobs_on_request(server):
     assert plain["transcript"] == committed["transcript"] and plain.get("logprobs") is None
     assert all(e.get("logprobs") is None for e in events if e["type"].endswith("transcription.delta"))
     await raw.ws.close()
+
+
+async def test_a_bulk_append_does_not_hold_up_another_sessions_stream(server):
+    """Each session's appends run on the executor's threads, so while one session's append of minutes of audio is
+    decoded, resampled and read by the VAD, another session's turn detection goes on."""
+    session = {"type": "realtime", "output_modalities": ["text"], "audio": {"input": {
+        "turn_detection": {"type": "server_vad", "create_response": False}}}}
+    bulk, live = await open_voice(server, session), await open_voice(server, session)
+    speech, _, _ = utterance(QUESTION, PCM16, tail_ms=240_000)  # 4 minutes: one append, under the frame limit
+    arrived: dict[str, float] = {}
+
+    async def first_speech_started(name: str, raw) -> None:
+        while (await raw.recv())["type"] != "input_audio_buffer.speech_started":
+            pass
+        arrived[name] = asyncio.get_running_loop().time()
+
+    waits = [asyncio.create_task(first_speech_started(n, r)) for n, r in (("bulk", bulk), ("live", live))]
+    await bulk.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(speech).decode()})
+    await live.stream(utterance(QUESTION, PCM16)[0], PCM16)  # 20-100 ms appends, as fast as they go
+    await asyncio.gather(*waits)
+    assert arrived["live"] < arrived["bulk"], arrived
+    for raw in (bulk, live):
+        await raw.ws.close()
