@@ -15,8 +15,10 @@ Measured by the client, per turn, from the end of speech — the moment the appe
 (−40 dB) was handed to the socket — to: speech_stopped, the transcription's `completed`, the first
 `response.output_audio_transcript.delta` (first text) and the first `response.output_audio.delta` (first audio),
 p50/p95; first audio minus speech_stopped; and the playback gap: how late the reply's audio deltas came for a client
-that plays them from the first one on without pause (worst per turn, p95 and max over turns). Then the Whisper encoder's real-time factor in this process, one batch of
-8 clips vs the same clips one by one, and the server's counters from /metrics.
+that plays them from the first one on without pause (worst per turn, p95 and max over turns). `--output`'s JSON keeps
+each turn's question and what the server's Whisper heard of it, so a slow turn can be traced to its question. Then the
+Whisper encoder's real-time factor in this process, one batch of 8 clips vs the same clips one by one, and the server's
+counters from /metrics.
 
 A/B in rounds: `--server SPEC` (repeatable) names a server configuration to start, `--rounds N` repeats the whole set of
 runs N times, interleaved: round 1 of every configuration, then round 2, ... (the order reversed every other round, A B
@@ -69,6 +71,7 @@ EVENTS = {"stopped": "input_audio_buffer.speech_stopped",
 class Clip:
     pcm: bytes  # pcm16 24 kHz, with 300 ms of silence before the voice
     speech_end_ms: float
+    text: str = ""  # the question spoken
 
 
 def make_clips() -> list[Clip]:
@@ -80,7 +83,7 @@ def make_clips() -> list[Clip]:
         x = piper_speech(q, rate=RATE)
         _, off = speech_bounds_ms(x, RATE)
         x = np.concatenate([np.zeros(RATE * 3 // 10, np.float32), x])
-        clips.append(Clip(float_to_int16(x).tobytes(), 300 + off))
+        clips.append(Clip(float_to_int16(x).tobytes(), 300 + off, q))
     return clips
 
 
@@ -110,6 +113,7 @@ async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_m
             marks: dict[str, float] = {}
             done = asyncio.Event()
             playback = {"played": 0.0, "gap": 0.0}  # audio received; worst lateness for gapless playback
+            heard: list[str] = []  # the server's transcripts of the turn
 
             async def listen():
                 while True:
@@ -122,6 +126,8 @@ async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_m
                     for key, etype in EVENTS.items():
                         if ev["type"] == etype and key not in marks:
                             marks[key] = now
+                    if ev["type"] == EVENTS["transcript"]:
+                        heard.append(ev.get("transcript", ""))
                     if ev["type"] == "response.done":
                         done.set()
                         return
@@ -154,6 +160,7 @@ async def run_session(url: str, sid: int, clips: list[Clip], turns: int, chunk_m
             turn = {k: v - end_of_speech for k, v in marks.items()}
             # the same monotonic clock as the server's trace lines (--log-level debug) on this host: lines them up
             turn["end_of_speech_clock"] = end_of_speech
+            turn["question"], turn["heard"] = clip.text, " / ".join(heard)  # which turns are slow, and what Whisper heard
             if "audio" in marks and "stopped" in marks:
                 turn["after_stopped"] = marks["audio"] - marks["stopped"]
             if "audio" in marks:

@@ -183,6 +183,7 @@ def test_bench_voice_rounds_against_the_server(server, tmp_path, capsys):
         (t,) = r["turns"]
         assert 0 < t["stopped"] <= t["transcript"] and t["text"] > 0 and t["audio"] > 0
         assert 0 < t["end_of_speech_clock"] < time.perf_counter()  # the clock the server's trace lines use
+        assert t["question"] == "What is the capital of France?" and "capital" in t["heard"].lower()  # session 0's
     (summary,) = doc["summary"]
     assert summary["rounds"] == [1, 2] and len(summary["per_round"]["first audio p50"]) == 2
     assert summary["first_audio_p50_ratio"] == 1.0
