@@ -418,36 +418,42 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} round(s) of {', '.join(c.name for c in configs)}, {os.cpu_count()} CPUs", flush=True)
     report.stage("synthesizing the spoken questions (piper) ...")
     clips = make_clips()
-    # the client's full collections would delay its appends and the times it reads: its heap is frozen too (see
-    # engine/heap.py; not imported here, it would bring torch into the client)
-    gc.collect()
-    gc.freeze()
     runs, counters, rtf = [], [], None
     common = args.server_args.split()
-    for rnd in range(1, args.rounds + 1):
-        for config in round_order(configs, rnd):
-            proc, url = None, args.url
-            if args.server_log is not None:
-                args.server_log.mkdir(parents=True, exist_ok=True)
-                log = open(args.server_log / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', config.name)}-r{rnd}.log", "w+b")
-            else:
-                log = tempfile.TemporaryFile()
-            try:
-                if url is None:
-                    port = free_port()
-                    proc = start_server(config, common, port, log)
-                    url = f"ws://127.0.0.1:{port}/v1/realtime"
-                runs += run_round(url, clips, args, counts, spreads, modes, config.name, rnd,
-                                  None if proc is None else proc.pid)
-                counters.append({"server": config.name, "round": rnd, "counters": server_batches(url)})
-            finally:
-                if proc is not None:
-                    stop_server(proc)
-                log.close()
-        if args.output and rnd < args.rounds:   # an interrupted run keeps its finished rounds
-            report.write_json(args.output, json_config(args), {"runs": runs, "summary": summarize(runs),
-                                                               "server_counters": counters, "encoder_rtf": None,
-                                                               "rounds_done": rnd})
+    # the client's full collections would delay its appends and the times it reads: its heap is frozen while it measures
+    # (see engine/heap.py; not imported here, it would bring torch into the client), unless the process froze its own
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    try:
+        for rnd in range(1, args.rounds + 1):
+            for config in round_order(configs, rnd):
+                proc, url = None, args.url
+                if args.server_log is not None:
+                    args.server_log.mkdir(parents=True, exist_ok=True)
+                    log = open(args.server_log / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', config.name)}-r{rnd}.log", "w+b")
+                else:
+                    log = tempfile.TemporaryFile()
+                try:
+                    if url is None:
+                        port = free_port()
+                        proc = start_server(config, common, port, log)
+                        url = f"ws://127.0.0.1:{port}/v1/realtime"
+                    runs += run_round(url, clips, args, counts, spreads, modes, config.name, rnd,
+                                      None if proc is None else proc.pid)
+                    counters.append({"server": config.name, "round": rnd, "counters": server_batches(url)})
+                finally:
+                    if proc is not None:
+                        stop_server(proc)
+                    log.close()
+            if args.output and rnd < args.rounds:   # an interrupted run keeps its finished rounds
+                report.write_json(args.output, json_config(args), {"runs": runs, "summary": summarize(runs),
+                                                                   "server_counters": counters, "encoder_rtf": None,
+                                                                   "rounds_done": rnd})
+    finally:  # a caller in this process (the tests) gets its heap collected again
+        if freeze:
+            gc.unfreeze()
     print_runs(runs)
     for c in counters:
         print(f"{c['server']}, round {c['round']}: server Whisper encoder batches (size×count): {c['counters']}",

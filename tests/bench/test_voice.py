@@ -4,6 +4,7 @@ line, exit code 2), rounds interleave A B B A, the summary takes the median over
 bench against the session's real server, two rounds, with the JSON carrying each round."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 import textwrap
@@ -174,6 +175,7 @@ def test_bench_voice_rounds_against_the_server(server, tmp_path, capsys):
                      "--no-rtf", "--rounds", "2", "--output", str(out))
     captured = capsys.readouterr()
     assert rc == 0, captured.err
+    assert gc.get_freeze_count() == 0  # the client's heap, frozen while it measured, is collected again
     assert "default, round 2: 1 sessions, spread 0 ms, server_vad: 1/1 turns done" in captured.err
     assert "Median over rounds" in captured.out and "first audio p50, per round (ms)" in captured.out
     doc = json.loads(out.read_text())

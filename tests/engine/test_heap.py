@@ -13,8 +13,7 @@ class Node:
 def test_objects_alive_at_the_freeze_are_skipped_and_later_cycles_collected():
     startup = [[i] for i in range(50_000)]  # lists: tracked by the collector
     try:
-        frozen = freeze_startup_heap("test")
-        assert frozen == gc.get_freeze_count() >= len(startup)
+        assert freeze_startup_heap("test") >= len(startup)  # (frozen objects that refcounting frees leave the count)
         tracked = {id(o) for o in gc.get_objects()}  # generations 0-2: what a collection walks
         assert not any(id(x) in tracked for x in startup)
         node = Node()
