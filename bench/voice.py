@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import gc
 import json
 import os
@@ -418,42 +419,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} round(s) of {', '.join(c.name for c in configs)}, {os.cpu_count()} CPUs", flush=True)
     report.stage("synthesizing the spoken questions (piper) ...")
     clips = make_clips()
-    runs, counters, rtf = [], [], None
-    common = args.server_args.split()
-    # the client's full collections would delay its appends and the times it reads: its heap is frozen while it measures
-    # (see engine/heap.py; not imported here, it would bring torch into the client), unless the process froze its own
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.collect()
-        gc.freeze()
-    try:
-        for rnd in range(1, args.rounds + 1):
-            for config in round_order(configs, rnd):
-                proc, url = None, args.url
-                if args.server_log is not None:
-                    args.server_log.mkdir(parents=True, exist_ok=True)
-                    log = open(args.server_log / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', config.name)}-r{rnd}.log", "w+b")
-                else:
-                    log = tempfile.TemporaryFile()
-                try:
-                    if url is None:
-                        port = free_port()
-                        proc = start_server(config, common, port, log)
-                        url = f"ws://127.0.0.1:{port}/v1/realtime"
-                    runs += run_round(url, clips, args, counts, spreads, modes, config.name, rnd,
-                                      None if proc is None else proc.pid)
-                    counters.append({"server": config.name, "round": rnd, "counters": server_batches(url)})
-                finally:
-                    if proc is not None:
-                        stop_server(proc)
-                    log.close()
-            if args.output and rnd < args.rounds:   # an interrupted run keeps its finished rounds
-                report.write_json(args.output, json_config(args), {"runs": runs, "summary": summarize(runs),
-                                                                   "server_counters": counters, "encoder_rtf": None,
-                                                                   "rounds_done": rnd})
-    finally:  # a caller in this process (the tests) gets its heap collected again
-        if freeze:
-            gc.unfreeze()
+    with frozen_heap():
+        runs, counters = run_rounds(args, clips, configs, counts, spreads, modes)
+    rtf = None
     print_runs(runs)
     for c in counters:
         print(f"{c['server']}, round {c['round']}: server Whisper encoder batches (size×count): {c['counters']}",
@@ -471,6 +439,55 @@ def main(argv: list[str] | None = None) -> int:
                                                            "rounds_done": args.rounds})
     plot(args, runs)
     return 0
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """The client's heap frozen while it measures: its full collections would delay its appends and the times it
+    reads (see engine/heap.py; not imported here, it would bring torch into the client). Unless the process froze its
+    own; a caller in this process (the tests) gets its heap collected again after."""
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
+
+
+def run_rounds(args: argparse.Namespace, clips: list[Clip], configs: list, counts: list[int], spreads: list[int],
+               modes: list[str]) -> tuple[list, list]:
+    """Every round of every --server configuration (interleaved, see `round_order`), each on a freshly started server
+    unless --url: the runs and each round's server counters. With --output, the file is written after every round."""
+    runs, counters = [], []
+    common = args.server_args.split()
+    for rnd in range(1, args.rounds + 1):
+        for config in round_order(configs, rnd):
+            proc, url = None, args.url
+            if args.server_log is not None:
+                args.server_log.mkdir(parents=True, exist_ok=True)
+                log = open(args.server_log / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', config.name)}-r{rnd}.log", "w+b")
+            else:
+                log = tempfile.TemporaryFile()
+            try:
+                if url is None:
+                    port = free_port()
+                    proc = start_server(config, common, port, log)
+                    url = f"ws://127.0.0.1:{port}/v1/realtime"
+                runs += run_round(url, clips, args, counts, spreads, modes, config.name, rnd,
+                                  None if proc is None else proc.pid)
+                counters.append({"server": config.name, "round": rnd, "counters": server_batches(url)})
+            finally:
+                if proc is not None:
+                    stop_server(proc)
+                log.close()
+        if args.output and rnd < args.rounds:   # an interrupted run keeps its finished rounds
+            report.write_json(args.output, json_config(args), {"runs": runs, "summary": summarize(runs),
+                                                               "server_counters": counters, "encoder_rtf": None,
+                                                               "rounds_done": rnd})
+    return runs, counters
 
 
 def json_config(args: argparse.Namespace) -> argparse.Namespace:
