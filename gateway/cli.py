@@ -350,7 +350,7 @@ def run_server(ns: argparse.Namespace, args: dict, sock: socket.socket) -> int:
         from gateway import ray_app
         port = sock.getsockname()[1]
         sock.close()        # Ray Serve's proxy listens there
-        return ray_app.run(settings, ns.host, port)
+        return ray_app.run(settings, ns.host, port, ns.log_level, ns.log_format)
     app = create_app(settings)
     # uvicorn's loggers go to the root handler (log_config=None); rtserve's access line, with timings, replaces
     # uvicorn's own

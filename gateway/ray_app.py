@@ -16,14 +16,16 @@ import asyncio
 import logging
 import signal
 import threading
+import time
 
 import ray
 from ray import serve
 
 import kernels
+from engine.heap import freeze_startup_heap
 from engine.ray_core import RayLauncher
-from gateway import memory
-from gateway.app import Settings, create_app
+from gateway import logs, memory
+from gateway.app import Settings, blas_on_one_thread, create_app
 from gateway.router import Router
 
 log = logging.getLogger("rtserve")
@@ -43,21 +45,35 @@ def start_router(settings: Settings) -> Router:
                   ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class Gateway:
-    async def __init__(self, settings: Settings) -> None:
-        memory.fix_thresholds()   # this replica's process, as `rtserve serve` does for its own
-        self.settings = settings
+    async def __init__(self, settings: Settings, log_level: str = "info", log_format: str = "text") -> None:
+        # this replica's process is set up as `rtserve serve` sets up its own (gateway/cli.py, gateway/app.py
+        # `_load`): its log lines in the server's format (Ray streams the replica's stderr to the driver), the memory
+        # thresholds, numpy's BLAS on one thread, the audio stage loaded before the first session (an app given its
+        # engine would load it on first use), then the startup heap frozen
+        logs.configure(log_level, log_format)
+        memory.fix_thresholds()
+        blas_on_one_thread()
         self.router = await asyncio.to_thread(start_router, settings)
+        self.served_app = create_app(settings, engine=self.router)
+        if self.served_app.state.audio is not None:
+            t0 = time.monotonic()
+            await self.served_app.state.audio.warmup()
+            log.info("audio stage ready in %.1f s (VAD, Whisper, piper voice)", time.monotonic() - t0)
+        freeze_startup_heap("Ray Serve ingress")
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.settings, engine=self.router)
+        return self.served_app
 
     async def __del__(self) -> None:
+        if self.served_app.state.audio is not None:
+            await asyncio.to_thread(self.served_app.state.audio.close)
         await asyncio.to_thread(self.router.shutdown)
 
 
-def run(settings: Settings, host: str, port: int) -> int:
+def run(settings: Settings, host: str, port: int, log_level: str = "info", log_format: str = "text") -> int:
     """`rtserve serve --ray`: join the cluster (RAY_ADDRESS, else one started by `ray start` on this host, else a new
-    one-node cluster), deploy the gateway, serve until SIGINT / SIGTERM, then delete the application."""
+    one-node cluster), deploy the gateway (logging at `log_level` in `log_format`), serve until SIGINT / SIGTERM, then
+    delete the application."""
     settings.engine_args.setdefault("num_threads", kernels.default_thread_count())   # split over the replicas
     ray.init(include_dashboard=False, log_to_driver=True)
     stop = threading.Event()
@@ -68,7 +84,7 @@ def run(settings: Settings, host: str, port: int) -> int:
                  int(ray.cluster_resources().get("CPU", 0)), len(ray.nodes()), settings.data_parallel_size)
         # one proxy, on the head node: clients have one address whatever node the ingress lands on
         serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
-        serve.run(Gateway.bind(settings), name=APP_NAME, route_prefix="/")
+        serve.run(Gateway.bind(settings, log_level, log_format), name=APP_NAME, route_prefix="/")
         log.info("ready on %s  (realtime: %s/v1/realtime; Ray Serve application %r)", settings.public_url,
                  settings.public_url.replace("http", "ws", 1), APP_NAME)
         while not stop.wait(1.0):

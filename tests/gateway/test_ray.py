@@ -53,6 +53,15 @@ async def wait_for(server, check, what: str):
         await asyncio.sleep(0.2)
 
 
+def test_the_ingress_logs_and_freezes_its_startup_heap(ray_server):
+    """The ingress replica's process is set up as `rtserve serve`'s own: its log lines in the server's format reach
+    the driver's output, and its startup heap is frozen before it serves."""
+    lines = [line for line in ray_server.process.output.splitlines() if "Ray Serve ingress:" in line]
+    assert lines and "ServeReplica" in lines[0], ray_server.process.output[-3000:]
+    frozen = int(lines[0].split("Ray Serve ingress:")[1].split()[0])
+    assert frozen > 50_000 and "objects of the startup heap frozen" in lines[0]
+
+
 async def test_sessions_and_http_requests_go_through_ray_serve(ray_server):
     replicas = health(ray_server)["replicas"]
     assert [r["status"] for r in replicas] == ["ok", "ok"]
