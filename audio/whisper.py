@@ -233,12 +233,6 @@ def ct2_to_hf_state_dict(v: dict[str, np.ndarray]) -> tuple[dict[str, torch.Tens
 
 # --------------------------------------------------------------------------- model
 
-@dataclass(slots=True)
-class DecodeResult:
-    tokens: list[int]
-    text: str
-
-
 class WhisperModel:
     """Whisper tiny.en on torch (CPU): batched log-mel features, encoder, greedy decoder."""
 
@@ -429,9 +423,14 @@ class WhisperModel:
         ``no_speech_threshold`` end at once with no tokens (silence or noise would otherwise come
         out as "you" or ".").  (The ``Transcriber`` drives a ``Decoder`` itself, so rows can also join.)
         """
+        return self._decode(self.decoder(no_speech_threshold), encoded, max_new_tokens, on_step)
+
+    @staticmethod
+    def _decode(dec: "Decoder", encoded: torch.Tensor, max_new_tokens: int | Sequence[int],
+                on_step: Callable[[int, list[int], bool], bool] | None = None) -> list[list[int]]:
+        """`decode_greedy` on the given (empty) decoder, whose per-step state `on_step` may read."""
         b = encoded.shape[0]
         per_row = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * b
-        dec = self.decoder(no_speech_threshold)
         dec.add(encoded, list(range(b)), per_row)
         tokens: list[list[int]] = [[] for _ in range(b)]
         while dec.rows:
@@ -516,15 +515,15 @@ class WhisperModel:
     @torch.inference_mode()
     def transcribe_heard(self, audios: Sequence[np.ndarray]) -> list[tuple[str, float | None]]:
         """`transcribe`, each transcript with Whisper's certainty of its ending (`heard_ending`)."""
-        enc = self.encode_clips(audios)
-        dec = self.decoder()
-        dec.add(enc, list(range(len(audios))), [self.max_tokens_for(min(len(a), WINDOW_SAMPLES)) for a in audios])
-        out: list[tuple[str, float | None]] = [("", None)] * len(audios)
-        while dec.rows:
-            for row, tokens, done in dec.step():
-                if done:
-                    out[row] = (self.detokenize(tokens).strip(), dec.heard.get(row))
-        return out
+        dec, heard = self.decoder(), {}
+
+        def keep_heard(row: int, tokens: list[int], done: bool) -> bool:
+            if done:  # (the decoder keeps a row's certainty for the step it ended in only)
+                heard[row] = dec.heard.get(row)
+            return True
+        caps = [self.max_tokens_for(min(len(a), WINDOW_SAMPLES)) for a in audios]
+        tokens = self._decode(dec, self.encode_clips(audios), caps, keep_heard)
+        return [(self.detokenize(t).strip(), heard.get(row)) for row, t in enumerate(tokens)]
 
 
 def _quantize_linears(model) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple | None] | None:
