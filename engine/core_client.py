@@ -72,7 +72,12 @@ class ProcessLauncher:
     nice: int = 0
     env: dict[str, str] = field(default_factory=dict)
 
-    def bind(self, sock: zmq.Socket, directory: str, name: str) -> str:
+    def socket_dir(self) -> str | None:
+        """A fresh private directory for one core's ipc sockets (the client removes it; a core whose parent was killed
+        removes its sockets and the directory itself, engine/core_process.py)."""
+        return tempfile.mkdtemp(prefix="rtserve-core-")
+
+    def bind(self, sock: zmq.Socket, directory: str | None, name: str) -> str:
         addr = f"ipc://{directory}/{name}"
         sock.bind(addr)
         return addr
@@ -131,7 +136,8 @@ class EngineCoreClient:
         self._stopped = False
         self._restarting: str | None = None       # why the core is being started again
         self._error: str | None = None            # why the core stopped for good
-        self._proc = self._commands = self._outputs = self._dir = None
+        self._proc = self._commands = self._outputs = None
+        self.socket_dir: str | None = None  # where the core's ipc sockets are (None: the launcher binds tcp)
         info = self._start()
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(info["model_dir"])
@@ -243,15 +249,15 @@ class EngineCoreClient:
     # ---- the core process ---------------------------------------------------------------------------------------
     def _start(self) -> dict:
         """Bind fresh sockets, spawn the core, wait for its `ready` (blocking: the model loads)."""
-        self._dir = tempfile.mkdtemp(prefix="rtserve-core-")
+        self.socket_dir = self.launcher.socket_dir()
         commands = self._ctx.socket(zmq.PUSH)
         commands.setsockopt(zmq.LINGER, 0)
         commands.setsockopt(zmq.SNDHWM, 0)        # never block the event loop on a slow core
-        in_addr = self.launcher.bind(commands, self._dir, "commands")
+        in_addr = self.launcher.bind(commands, self.socket_dir, "commands")
         outputs = self._ctx.socket(zmq.PULL)
         outputs.setsockopt(zmq.LINGER, 0)
         outputs.setsockopt(zmq.RCVHWM, 0)
-        out_addr = self.launcher.bind(outputs, self._dir, "outputs")
+        out_addr = self.launcher.bind(outputs, self.socket_dir, "outputs")
         proc = self.launcher.launch(self.engine_args, in_addr, out_addr)
         poller = zmq.Poller()
         poller.register(outputs, zmq.POLLIN)
@@ -273,7 +279,7 @@ class EngineCoreClient:
             proc.join(timeout=5)
             commands.close()
             outputs.close()
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._remove_socket_dir()
             raise
         info = msg[1]
         self._stats = info["stats"]
@@ -287,8 +293,11 @@ class EngineCoreClient:
                 if sock is not None:
                     sock.close(linger=0)
             self._commands = self._outputs = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        self._remove_socket_dir()
+
+    def _remove_socket_dir(self) -> None:
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def _send(self, msg: list) -> bool:
         """Send a command; False when there is no live core to take it (then it is moot: the stream fails)."""

@@ -69,7 +69,8 @@ def run_engine_core(engine_args: dict, input_addr: str, output_addr: str, nice: 
     """The child's entry point (multiprocessing spawn target). `nice`: added to this process's niceness first."""
     if nice:
         renice_threads(nice)
-    threading.Thread(target=_exit_with_parent, name="rtserve-core-parent-watch", daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(input_addr, output_addr), name="rtserve-core-parent-watch",
+                     daemon=True).start()
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     commands.connect(input_addr)
@@ -116,11 +117,33 @@ def renice_threads(increment: int) -> None:
             pass
 
 
-def _exit_with_parent() -> None:
+def _exit_with_parent(*addrs: str) -> None:
     parent = multiprocessing.parent_process()
     if parent is not None:
         multiprocessing.connection.wait([parent.sentinel])
-        os._exit(0)      # the parent is gone: nobody can read what this process would compute
+        try:
+            remove_ipc_sockets(*addrs)  # a parent killed outright (SIGKILL, the OOM killer) left them behind
+        finally:
+            os._exit(0)      # the parent is gone: nobody can read what this process would compute
+
+
+def remove_ipc_sockets(*addrs: str) -> None:
+    """Remove the socket files of these `ipc://` addresses, then their directories where that leaves them empty
+    (a tcp address has no file)."""
+    dirs = set()
+    for addr in addrs:
+        if addr.startswith("ipc://"):
+            path = addr[len("ipc://"):]
+            dirs.add(os.path.dirname(path))
+            try:
+                os.unlink(path)
+            except OSError:     # gone already
+                pass
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:     # not empty: not only ours
+            pass
 
 
 class EngineCoreLoop:

@@ -40,7 +40,10 @@ class RayLauncher:
         self.actor = ray.remote(EngineCoreActor).options(
             num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=0, scheduling_strategy="SPREAD").remote()
 
-    def bind(self, sock: zmq.Socket, directory: str, name: str) -> str:
+    def socket_dir(self) -> None:
+        return None         # tcp: no ipc socket files to keep
+
+    def bind(self, sock: zmq.Socket, directory: None, name: str) -> str:
         port = sock.bind_to_random_port(f"tcp://{self.node_ip}")
         return f"tcp://{self.node_ip}:{port}"
 

@@ -27,7 +27,9 @@ WAIT_S = 30.0   # a bound for a slow machine, far above a step, far below an end
 def core():
     client = EngineCoreClient(kv_cache_memory="32MiB")
     yield client
+    socket_dir = client.socket_dir
     client.shutdown()
+    assert not os.path.exists(socket_dir)      # the ipc sockets' directory leaves with the core
 
 
 async def collect(eng, rid, prompt, params=PARAMS):
@@ -91,7 +93,7 @@ async def test_a_request_fault_fails_only_that_stream(core):
 
 
 async def test_a_killed_core_fails_its_streams_and_is_started_again(core):
-    first_pid = core.pid
+    first_pid, first_dir = core.pid, core.socket_dir
     endless = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
     task = asyncio.ensure_future(collect(core, "doomed", PROMPTS[0], endless))
     while core.stats()["requests_running"] == 0:
@@ -104,6 +106,7 @@ async def test_a_killed_core_fails_its_streams_and_is_started_again(core):
         assert time.monotonic() < deadline and core.error is not None
         await asyncio.sleep(0.1)
     assert core.pid != first_pid and core.num_restarts == 1
+    assert not os.path.exists(first_dir) and os.path.isdir(core.socket_dir)  # fresh sockets, the old ones removed
     _, _, last = await asyncio.wait_for(collect(core, "after", PROMPTS[1]), WAIT_S)
     assert last.finish_reason == "length" and idle(core.stats())
     with pytest.raises(ProcessLookupError):
@@ -123,15 +126,18 @@ def test_the_default_launcher_starts_the_core_as_this_process_runs(core):
 
 
 def test_the_core_exits_with_its_parent(tmp_path):
-    """A parent killed with SIGKILL runs no cleanup: the core notices on its own and exits."""
+    """A parent killed with SIGKILL runs no cleanup: the core notices on its own, removes the parent's ipc sockets and
+    their directory, and exits."""
     script = ("from engine.core_client import EngineCoreClient\n"
               "c = EngineCoreClient(kv_cache_memory='16MiB')\n"
-              "print(c.pid, flush=True)\n"
+              "print(c.pid, c.socket_dir, flush=True)\n"
               "import time; time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
-        core_pid = int(parent.stdout.readline())
+        pid, socket_dir = parent.stdout.readline().split()
+        core_pid = int(pid)
+        assert sorted(os.listdir(socket_dir)) == ["commands", "outputs"]
         os.kill(core_pid, 0)                         # alive while its parent is
         parent.kill()
         parent.wait()
@@ -139,6 +145,7 @@ def test_the_core_exits_with_its_parent(tmp_path):
         while _alive(core_pid):
             assert time.monotonic() < deadline, "the engine core outlived its parent"
             time.sleep(0.05)
+        assert not os.path.exists(socket_dir)
     finally:
         parent.kill()
 
