@@ -364,6 +364,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--combine", metavar="FILE.json", nargs="+", type=Path, default=None,
                     help="measure nothing: print the summary of the runs in these earlier --output files together "
                          "(rounds numbered on in file order); with --output, write them as one file")
+    ap.add_argument("--fresh-speech", action="store_true",
+                    help="synthesize the questions anew for every round (piper draws its noise each time), so the "
+                         "rounds sample how Whisper hears them, not only the machine; by default one synthesis serves "
+                         "every round, and a question Whisper mishears is slow in all of them")
     ap.add_argument("--no-rtf", action="store_true", help="skip the in-process encoder RTF measurement")
     args = ap.parse_args(argv)
     if args.url and args.servers:
@@ -464,6 +468,9 @@ def run_rounds(args: argparse.Namespace, clips: list[Clip], configs: list, count
     runs, counters = [], []
     common = args.server_args.split()
     for rnd in range(1, args.rounds + 1):
+        if args.fresh_speech and rnd > 1:   # every configuration of a round hears the same speech
+            report.stage(f"round {rnd}: synthesizing the spoken questions anew (piper) ...")
+            clips = make_clips()
         for config in round_order(configs, rnd):
             proc, url = None, args.url
             if args.server_log is not None:

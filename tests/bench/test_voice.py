@@ -172,9 +172,10 @@ def test_a_server_that_exits_is_reported(tmp_path):
 def test_bench_voice_rounds_against_the_server(server, tmp_path, capsys):
     out = tmp_path / "voice.json"
     rc = bench_voice("--url", server.realtime_url, "--sessions", "1", "--turns", "1", "--max-output-tokens", "6",
-                     "--no-rtf", "--rounds", "2", "--output", str(out))
+                     "--no-rtf", "--rounds", "2", "--fresh-speech", "--output", str(out))
     captured = capsys.readouterr()
     assert rc == 0, captured.err
+    assert "round 2: synthesizing the spoken questions anew" in captured.err
     assert gc.get_freeze_count() == 0  # the client's heap, frozen while it measured, is collected again
     assert "default, round 2: 1 sessions, spread 0 ms, server_vad: 1/1 turns done" in captured.err
     assert "Median over rounds" in captured.out and "first audio p50, per round (ms)" in captured.out
@@ -191,3 +192,11 @@ def test_bench_voice_rounds_against_the_server(server, tmp_path, capsys):
     assert summary["first_audio_p50_ratio"] == 1.0
     assert [(c["server"], c["round"]) for c in doc["server_counters"]] == [("default", 1), ("default", 2)]
     assert doc["config"]["servers"] == [{"name": "default", "args": [], "pythonpath": None, "env": {}}]
+    assert doc["config"]["fresh_speech"] is True
+
+
+def test_fresh_speech_is_a_new_draw():
+    """--fresh-speech's premise: piper draws its noise on every synthesis, so each round hears other speech."""
+    first, again = voice.make_clips(), voice.make_clips()
+    assert [c.text for c in first] == [c.text for c in again] == voice.QUESTIONS
+    assert all(a.pcm != b.pcm for a, b in zip(first, again))
