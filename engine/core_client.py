@@ -72,12 +72,12 @@ class ProcessLauncher:
     nice: int = 0
     env: dict[str, str] = field(default_factory=dict)
 
-    def socket_dir(self) -> str | None:
+    def socket_dir(self) -> str:
         """A fresh private directory for one core's ipc sockets (the client removes it; a core whose parent was killed
         removes its sockets and the directory itself, engine/core_process.py)."""
         return tempfile.mkdtemp(prefix="rtserve-core-")
 
-    def bind(self, sock: zmq.Socket, directory: str | None, name: str) -> str:
+    def bind(self, sock: zmq.Socket, directory: str, name: str) -> str:
         addr = f"ipc://{directory}/{name}"
         sock.bind(addr)
         return addr
